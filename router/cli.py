@@ -1,0 +1,42 @@
+"""The `mori` command: one subcommand per job, each living in the module that owns it.
+
+Only the chosen subcommand's module is imported, so `mori sim` never loads the web
+stack and `mori serve` never loads matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+# name -> (module, one-line help). Each module defines configure(parser) and run(args) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("router.demo", "run the embedded demo: router + emulated replicas + a replayed trace"),
+    "sim": ("router.sim.cli", "simulate policies on a trace (virtual clock, replica cost model)"),
+    "serve": ("router.serve", "run the program-aware router in front of SGLang replicas"),
+    "emulate": ("router.sim.emulator", "run an emulated SGLang replica (HTTP, simulated timing)"),
+    "replay": ("router.replay.cli", "replay a trace against an OpenAI endpoint (closed loop)"),
+    "trace": ("router.replay.trace_cli", "generate, validate or summarise agent traces"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mori", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            import_module(module).configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
+    return int(import_module(COMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

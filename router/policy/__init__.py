@@ -1,0 +1,36 @@
+"""Placement policies behind one interface (see `router.policy.base.Policy`).
+
+Policies are looked up by name so the router, the simulator and the benchmarks can
+take `--policy NAME` and run every comparison through the same harness.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from router.policy.base import Policy, PolicyConfig
+
+REGISTRY: dict[str, str] = {
+    "mori": "router.policy.mori:MoriPolicy",
+    "mori+predict": "router.policy.predictive:PredictivePolicy",
+    "ta": "router.policy.baselines:ThunderAgentPolicy",
+    "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",
+    "smg": "router.policy.baselines:SmgPolicy",
+}
+
+
+def policy_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
+    """Build a policy by name; a clear error lists the known names."""
+    try:
+        target = REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}") from None
+    module, cls = target.split(":")
+    return getattr(import_module(module), cls)(config)
+
+
+__all__ = ["Policy", "PolicyConfig", "make_policy", "policy_names", "REGISTRY"]

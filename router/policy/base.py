@@ -1,0 +1,249 @@
+"""The one interface every placement policy implements (MORI, baselines, later ones).
+
+A policy is pure: it is driven by events carrying `now` (an injected clock) and
+answers with `Move`s; it never sleeps, awaits or does I/O. The live router, the
+simulator and the tests all drive it the same way:
+
+    moves = policy.on_request(pid, now, prompt_tokens)   # request arrives
+    replica = policy.route(pid)                           # None: the gate holds it
+    ...                                                   # forward when routed
+    moves = policy.on_response(pid, now, usage_tokens)   # engine answered
+    moves = policy.tick(now)                              # periodic rebalance
+    hints = policy.hint_updates()                         # push to engines
+
+A request whose program is not routed waits at the gate until a later call's moves
+promote it (`route` then answers its replica), or until the shell gives up and calls
+`cancel`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from router.policy.program import Program
+from router.policy.tiers import Tiers
+from router.policy.types import (
+    WAITING,
+    EngineMode,
+    Hint,
+    Move,
+    MoveReason,
+    Placement,
+    ReplicaCapacity,
+    Status,
+    Tier,
+)
+
+
+@dataclass
+class PolicyConfig:
+    """Knobs shared by all policies; a policy ignores those it has no use for."""
+
+    window: int = 4  # idleness window W in cycles (sweep in bench/window_sweep.py)
+    tick_s: float = 5.0  # rebalance period (MORI 5)
+    lease_s: float = 900.0  # an ACTING program silent this long is ended
+    hysteresis: float = 0.2  # idleness margin a swap must clear (stickiness)
+    new_program_tokens: int = 2048  # context estimate before the first usage report
+    smg_offload: bool = False  # smg baseline: engine host tier on/off
+
+
+HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}
+
+
+class Policy(ABC):
+    """Common bookkeeping; subclasses decide admission (`_admit`) and rebalancing (`_rebalance`)."""
+
+    name: ClassVar[str]
+    gated: ClassVar[bool] = True  # False: requests are forwarded at once (no gate)
+    sends_hints: ClassVar[bool] = True  # False: engines run plain SGLang eviction
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.tiers = Tiers()
+        self.programs: dict[str, Program] = {}
+        self._pending_hints: dict[str, dict[str, Hint]] = defaultdict(dict)
+
+    @property
+    def engine_mode(self) -> EngineMode:
+        """How the engines behind this policy evict (the simulator/emulator obey it)."""
+        return EngineMode(eviction="typed", host_tier=True)
+
+    # replicas -------------------------------------------------------------------
+    def add_replica(self, replica: str, capacity: ReplicaCapacity) -> None:
+        self.tiers.add_replica(replica, capacity)
+
+    def set_capacity(self, replica: str, capacity: ReplicaCapacity) -> None:
+        """New budgets (refreshed from the engine); the next tick fixes any overflow."""
+        self.tiers.capacity[replica] = capacity
+
+    def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
+        """A failed replica is drained: its programs go to WAITING and are re-placed."""
+        self.tiers.healthy[replica] = healthy
+        if healthy:
+            return self._rebalance(now)
+        moves = []
+        for tier in (Tier.GPU, Tier.CPU):
+            for p in self.tiers.members(Placement(tier, replica)):
+                p.demote_after_step = None
+                moves.append(self._move(p, WAITING, MoveReason.DRAIN, now))
+        return moves
+
+    # program events ---------------------------------------------------------------
+    def on_request(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        """A request arrived; admit it at once if room exists (no tick needed)."""
+        p = self.programs.get(program_id)
+        if p is None:
+            p = Program(program_id, created_s=now, window=self.config.window)
+            p.context_tokens = self.config.new_program_tokens
+            self.programs[program_id] = p
+            self.tiers.place(p, WAITING)
+        if p.status is not Status.ACTING:
+            raise ValueError(f"program {program_id} already has a request in flight")
+        p.arrive(now)
+        if context_tokens is not None:
+            self.tiers.resize(p, int(context_tokens))
+        return self._admit(p, now)
+
+    def route(self, program_id: str) -> str | None:
+        """The replica to forward to, or None while the gate must hold the request."""
+        p = self.programs.get(program_id)
+        if p is None or p.status is not Status.REASONING:
+            return None
+        return p.placement.replica
+
+    def on_response(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        """The engine finished a step (or failed it): the program is acting from now."""
+        p = self.programs.get(program_id)
+        if p is None or p.status is not Status.REASONING:
+            return []
+        p.finish_step(now)
+        if context_tokens is not None:
+            self.tiers.resize(p, int(context_tokens))
+        moves = []
+        if p.demote_after_step is not None:
+            dst, p.demote_after_step = p.demote_after_step, None
+            if p.placement.tier is Tier.GPU:
+                dst = self._fit_or_waiting(dst, p)
+                moves.append(self._move(p, dst, MoveReason.DEMOTE_LAZY, now))
+        return moves + self._after_response(p, now)
+
+    def cancel(self, program_id: str, now: float) -> list[Move]:
+        """A gated request gave up (timeout or client gone): no state may leak."""
+        p = self.programs.get(program_id)
+        if p is not None:
+            p.cancel_request(now)
+        return []
+
+    def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
+        """Explicit end or lease expiry: the engines are told `inactive`, then it is forgotten."""
+        p = self.programs.pop(program_id, None)
+        if p is None:
+            return []
+        move = self._move(p, WAITING, reason, now) if p.placement.tier is not Tier.WAITING else None
+        if move is None and p.last_replica is not None:
+            self._pending_hints[p.last_replica][program_id] = Hint.INACTIVE
+        self.tiers.remove(p)
+        return [move] if move else []
+
+    def on_tool_start(
+        self,
+        program_id: str,
+        now: float,
+        tool: str,
+        agent: str | None = None,
+        predict_s: float | None = None,
+    ) -> list[Move]:
+        """The agent is about to run `tool` (seen in the response, or told by the client).
+
+        Reactive policies ignore it; predictive ones (Tokencake) act on it.
+        """
+        return []
+
+    def on_tool_end(self, program_id: str, now: float) -> list[Move]:
+        """The client says the tool call finished (its next request follows soon)."""
+        return []
+
+    def tick(self, now: float) -> list[Move]:
+        """Periodic rebalance: expire leases, then the policy's own rules."""
+        moves: list[Move] = []
+        for p in list(self.programs.values()):
+            idle_for = now - p.last_active_s
+            if p.status is Status.ACTING and idle_for > self.config.lease_s:
+                moves += self.end(p.program_id, now, MoveReason.LEASE)
+        return moves + self._rebalance(now)
+
+    # hints ------------------------------------------------------------------------
+    def hints(self) -> dict[str, dict[str, Hint]]:
+        """The hint of every live program on every replica (for the periodic full sync)."""
+        out: dict[str, dict[str, Hint]] = {r: {} for r in self.tiers.capacity}
+        for p in self.programs.values():
+            if p.last_replica is not None:
+                out[p.last_replica][p.program_id] = HINT_OF_TIER[p.placement.tier]
+        return out
+
+    def hint_updates(self) -> dict[str, dict[str, Hint]]:
+        """Hints changed since the last call, batched per replica (pushed after moves)."""
+        out = {r: h for r, h in self._pending_hints.items() if h}
+        self._pending_hints = defaultdict(dict)
+        return out
+
+    # introspection -----------------------------------------------------------------
+    def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
+        """A JSON-able view of one program for the admin API."""
+        p = self.programs.get(program_id)
+        if p is None:
+            return None
+        return {
+            "program_id": p.program_id,
+            "tier": p.placement.tier.value,
+            "replica": p.placement.replica,
+            "last_replica": p.last_replica,
+            "status": p.status.value,
+            "idleness": round(p.idleness(now), 4),
+            "context_tokens": p.context_tokens,
+            "steps": p.steps,
+            "recent_cycles": [{"reasoning_s": r, "acting_s": a} for r, a in p.cycles],
+        }
+
+    # for subclasses ---------------------------------------------------------------
+    def _move(self, p: Program, dst: Placement, reason: MoveReason, now: float) -> Move:
+        """The only way a program changes tier: updates sums, queues the hints, and
+        releases a gated request when its program lands on a GPU tier."""
+        src = p.placement
+        self.tiers.place(p, dst)
+        if src.replica is not None and src.replica != dst.replica:
+            self._pending_hints[src.replica][p.program_id] = Hint.INACTIVE
+        if dst.replica is not None:
+            self._pending_hints[dst.replica][p.program_id] = HINT_OF_TIER[dst.tier]
+        if dst.tier is Tier.GPU and p.pending:
+            p.start_reasoning(now)
+        return Move(p.program_id, src, dst, reason)
+
+    def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
+        return dst if self.tiers.fits(dst, p.context_tokens) else WAITING
+
+    @staticmethod
+    def _release(p: Program, now: float) -> None:
+        """Let a gated request through to its program's GPU replica (no move needed)."""
+        if p.pending and p.placement.tier is Tier.GPU:
+            p.start_reasoning(now)
+
+    @abstractmethod
+    def _admit(self, p: Program, now: float) -> list[Move]:
+        """Called on every arrival (p is GATED): route now if the rules allow it, via
+        `_release` (already on a GPU tier) or a `_move` to a GPU tier."""
+
+    @abstractmethod
+    def _rebalance(self, now: float) -> list[Move]:
+        """The policy's tick: demote over-budget tiers, promote into free room."""
+
+    def _after_response(self, p: Program, now: float) -> list[Move]:
+        """Hook after a step: by default nothing (MORI may admit into freed room)."""
+        return []

@@ -1,0 +1,109 @@
+"""The policy's vocabulary (DESIGN.md "Core concepts"): tiers, placements, moves, hints.
+
+These are plain immutable values so the same decisions can be replayed by the live
+router, the simulator and the tests without any I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Tier(str, Enum):
+    """Where a program's KV cache is meant to live."""
+
+    GPU = "gpu"  # per replica: KV in HBM, requests forwarded at once
+    CPU = "cpu"  # per replica: KV in host DRAM, requests gated until promoted
+    WAITING = "waiting"  # global: KV discarded, a promotion recomputes it
+
+
+class Status(str, Enum):
+    """Instantaneous status of a program (MORI 4.1).
+
+    GATED is neither reasoning nor acting: a request is held by the gate, and that
+    time counts toward no idleness term.
+    """
+
+    REASONING = "reasoning"
+    ACTING = "acting"
+    GATED = "gated"
+
+
+class Hint(str, Enum):
+    """Typed offload hint pushed to the engine for each program on a replica."""
+
+    BUSY = "busy"  # GPU tier: keep on device, load back from host
+    IDLE = "idle"  # CPU tier: drop the device copy, keep the host copy
+    INACTIVE = "inactive"  # WAITING or ended: first to go on both tiers
+
+
+class MoveReason(str, Enum):
+    """Why a program changed tier; a label on the moves metric."""
+
+    ADMIT = "admit"  # a request found room on arrival
+    PROMOTE_CPU = "promote_cpu"  # class 1: CPU program with a pending request
+    PROMOTE_WAITING = "promote_waiting"  # class 2: returning WAITING program
+    PROMOTE_NEW = "promote_new"  # class 3: new program, smallest first
+    PROMOTE_PREDICTED = "promote_predicted"  # ahead of a predicted tool end
+    DEMOTE = "demote"  # GPU over budget, or swapped out by a busier program
+    DEMOTE_LAZY = "demote_lazy"  # REASONING victim moved after its step
+    OFFLOAD_TOOL = "offload_tool"  # offloaded at a tool call's start (benefit > cost)
+    CPU_OVERFLOW = "cpu_overflow"  # CPU tier over budget: pushed to WAITING
+    PAUSE = "pause"  # baseline pause (ThunderAgent): KV left to the engine
+    RESUME = "resume"  # baseline resume
+    DRAIN = "drain"  # replica failed: its programs go to WAITING
+    END = "end"  # explicit end
+    LEASE = "lease"  # idle lease expired
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A tier plus the replica that holds it (None for WAITING)."""
+
+    tier: Tier
+    replica: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tier is Tier.WAITING) != (self.replica is None):
+            raise ValueError(f"{self.tier.value} placement needs replica iff not WAITING")
+
+    def __str__(self) -> str:
+        return self.tier.value if self.replica is None else f"{self.tier.value}({self.replica})"
+
+
+WAITING = Placement(Tier.WAITING)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One program changing tier, with the reason (for metrics, logs and tests)."""
+
+    program_id: str
+    src: Placement
+    dst: Placement
+    reason: MoveReason
+
+    @property
+    def to_gpu(self) -> bool:
+        return self.dst.tier is Tier.GPU and self.src.tier is not Tier.GPU
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMode:
+    """What the engine does under a policy: the simulator and emulator obey it.
+
+    eviction: "lru" (stock SGLang) or "typed" (the MORI engine patch, ordered by hint).
+    host_tier: whether HiCache's host DRAM tier is on.
+    """
+
+    eviction: str = "typed"
+    host_tier: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCapacity:
+    """Token budgets of one replica's two tiers."""
+
+    gpu_tokens: int
+    cpu_tokens: int

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The project's one test command (README; .ci/run calls exactly this).
+# Installs what the suite needs, then runs it. CPU only; never pulls CUDA torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q -e '.[test]'
+python3 -m pytest -q "$@"
