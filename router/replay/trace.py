@@ -1,9 +1,19 @@
-"""The trace format of DESIGN.md: one program per JSON line, steps in order."""
+"""The trace format of DESIGN.md: one program per JSON line, steps in order.
+
+`load_trace` is strict: a corpus that loads is one the simulator and the replay clients can
+run without second-guessing it, and a bad one fails with a `TraceError` that names the
+file, the line, the field and what is wrong with it. Unknown *program* fields are kept in
+`TraceProgram.extra` (provenance such as `source` or `model` travels with a program);
+unknown *step* fields are rejected, because a misspelt `tool_s` would otherwise silently
+replay as a zero-length tool call.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -27,13 +37,170 @@ class TraceProgram:
     extra: dict = field(default_factory=dict)
 
 
-def load_trace(path: str | Path) -> list[TraceProgram]:
-    """Read a trace file (minimal reader; validation lives in router.replay.validate)."""
-    programs = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
+class TraceError(ValueError):
+    """A trace file that breaks the format; says where (file, line, field) and why."""
+
+    def __init__(self, path: str | Path, line: int | None, field: str | None, reason: str):
+        self.path, self.line, self.field, self.reason = str(path), line, field, reason
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        return f"{where}: {self.field}: {self.reason}" if self.field else f"{where}: {self.reason}"
+
+
+# field -> (JSON types accepted, required, minimum); `None` in the types means null is allowed.
+_NUMBER = (int, float)
+_PROGRAM_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
+    "program_id": ((str,), True, None),
+    "parent_id": ((str, type(None)), False, None),
+    "start_s": (_NUMBER, False, 0),
+    "agent": ((str, type(None)), False, None),
+    "anchor_tokens": ((int,), False, 0),
+    "steps": ((list,), True, None),
+}
+_STEP_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
+    "input_tokens": ((int,), True, 1),
+    "output_tokens": ((int,), True, 0),
+    "reused_tokens": ((int,), False, 0),
+    "tool_s": (_NUMBER, False, 0),
+    "tool": ((str, type(None)), False, None),
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list"}
+
+
+def _check_fields(raw: object, spec: dict, where: str, fail) -> None:
+    """Types, presence and lower bounds of one JSON object against `spec`."""
+    if not isinstance(raw, dict):
+        fail(where or None, f"must be a JSON object, got {type(raw).__name__}")
+    prefix = f"{where}." if where else ""
+    for name, (types, required, minimum) in spec.items():
+        if name not in raw:
+            if required:
+                fail(f"{prefix}{name}", "required field is missing")
             continue
-        raw = json.loads(line)
-        steps = tuple(TraceStep(**s) for s in raw.pop("steps"))
-        programs.append(TraceProgram(steps=steps, **raw))
+        value = raw[name]
+        # bool is an int subclass in Python; `true` is never a token count.
+        if isinstance(value, bool) or not isinstance(value, types):
+            wanted = " or ".join(_TYPE_NAMES.get(t, "null") for t in types)
+            fail(f"{prefix}{name}", f"must be {wanted}, got {json.dumps(value)[:40]}")
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"{prefix}{name}", f"must be finite, got {value}")
+        if minimum is not None and value is not None and value < minimum:
+            fail(f"{prefix}{name}", f"must be >= {minimum}, got {value}")
+        if name == "program_id" and not value.strip():
+            fail(f"{prefix}{name}", "must not be empty")
+
+
+def _parse_steps(raw_steps: list, fail) -> tuple[TraceStep, ...]:
+    if not raw_steps:
+        fail("steps", "a program needs at least one step")
+    steps: list[TraceStep] = []
+    for i, raw in enumerate(raw_steps):
+        where = f"steps[{i}]"
+        _check_fields(raw, _STEP_FIELDS, where, fail)
+        unknown = sorted(set(raw) - set(_STEP_FIELDS))
+        if unknown:
+            fail(f"{where}.{unknown[0]}", f"unknown step field (known: {', '.join(_STEP_FIELDS)})")
+        step = TraceStep(**raw)
+        reused = f"{where}.reused_tokens"
+        # The reused prefix is part of this prompt and was in the previous call's KV.
+        limit = 0 if not steps else steps[-1].input_tokens + steps[-1].output_tokens
+        if step.reused_tokens > limit:
+            why = (
+                "the first step has no previous call to reuse"
+                if not steps
+                else f"previous step had input+output = {limit}"
+            )
+            fail(reused, f"{step.reused_tokens} exceeds what can be reused: {why}")
+        if step.reused_tokens > step.input_tokens:
+            fail(reused, f"{step.reused_tokens} > input_tokens {step.input_tokens}")
+        steps.append(step)
+    if steps[-1].tool_s != 0:
+        fail(f"steps[{len(steps) - 1}].tool_s", "must be 0 on the last step (nothing follows it)")
+    return tuple(steps)
+
+
+def parse_program(raw: object, path: str | Path = "<trace>", line: int | None = None):
+    """One decoded JSON line -> TraceProgram, or TraceError naming what is wrong."""
+
+    def fail(field: str | None, reason: str):
+        raise TraceError(path, line, field, reason)
+
+    _check_fields(raw, _PROGRAM_FIELDS, "", fail)
+    steps = _parse_steps(raw["steps"], fail)
+    known = {k: raw[k] for k in _PROGRAM_FIELDS if k in raw and k != "steps"}
+    extra = {k: v for k, v in raw.items() if k not in _PROGRAM_FIELDS}
+    program = TraceProgram(steps=steps, extra=extra, **known)
+    if program.anchor_tokens > steps[0].input_tokens:
+        fail("anchor_tokens", f"{program.anchor_tokens} > first prompt {steps[0].input_tokens}")
+    if program.parent_id == program.program_id:
+        fail("parent_id", "a program cannot be its own parent")
+    return program
+
+
+def _check_links(programs: list[TraceProgram], lines: list[int], path: str | Path) -> None:
+    """Unique ids, and every parent_id names a program of the file without a cycle."""
+    seen: dict[str, int] = {}
+    for program, line in zip(programs, lines, strict=True):
+        if program.program_id in seen:
+            first = seen[program.program_id]
+            raise TraceError(path, line, "program_id", f"duplicate of line {first}")
+        seen[program.program_id] = line
+    parents = {p.program_id: p.parent_id for p in programs}
+    for program, line in zip(programs, lines, strict=True):
+        if program.parent_id is not None and program.parent_id not in parents:
+            raise TraceError(path, line, "parent_id", f"no program {program.parent_id!r} in file")
+        chain, node = {program.program_id}, program.parent_id
+        while node is not None:
+            if node in chain:
+                raise TraceError(path, line, "parent_id", f"parent chain loops through {node!r}")
+            chain.add(node)
+            node = parents[node]
+
+
+def parse_lines(lines: Iterable[str], path: str | Path = "<trace>") -> list[TraceProgram]:
+    """Parse and validate JSONL text; blank lines are skipped, line numbers are 1-based."""
+    programs, numbers = [], []
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            reason = f"invalid JSON: {e.msg} (column {e.colno})"
+            raise TraceError(path, number, None, reason) from None
+        programs.append(parse_program(raw, path, number))
+        numbers.append(number)
+    if not programs:
+        raise TraceError(path, None, None, "holds no programs")
+    _check_links(programs, numbers, path)
     return programs
+
+
+def load_trace(path: str | Path) -> list[TraceProgram]:
+    """Read and validate a trace file; raises TraceError (a ValueError) on any defect."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(path, None, None, f"cannot read: {e}") from e
+    return parse_lines(text.splitlines(), path)
+
+
+def program_to_dict(program: TraceProgram) -> dict:
+    """The JSON object of one line; optional fields left out when they hold their default."""
+    out: dict = {"program_id": program.program_id, "parent_id": program.parent_id}
+    out["start_s"] = program.start_s
+    if program.agent is not None:
+        out["agent"] = program.agent
+    if program.anchor_tokens:
+        out["anchor_tokens"] = program.anchor_tokens
+    out.update(program.extra)
+    out["steps"] = [{k: v for k, v in asdict(s).items() if v is not None} for s in program.steps]
+    return out
+
+
+def dump_trace(programs: Iterable[TraceProgram], path: str | Path) -> None:
+    """Write programs as JSONL, one compact line each (the inverse of load_trace)."""
+    lines = (json.dumps(program_to_dict(p), separators=(",", ":")) for p in programs)
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
