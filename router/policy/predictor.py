@@ -1,0 +1,221 @@
+"""Tool-call duration prediction (Tokencake section 4.1), pure and clock-free.
+
+A tool call's duration is predicted per (agent role, tool key). Before a key has been
+seen, a cold-start default for its *kind* answers (file tools are sub-second, shell
+commands seconds, subagents and humans minutes); after the first observation an
+exponentially weighted moving average of observed gaps takes over. A client's own
+estimate (`predict_time`) is blended with the history as Tokencake's equation 1:
+
+    t_final = alpha * t_req + (1 - alpha) * t_hist
+
+Every observed duration feeds the model, and the error of the prediction that was
+made for it is kept per tool kind, so a benchmark can say how good the forecasts
+were (MORI 3.2 warns they are often poor: this is where we measure that).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.replay.records import percentile
+
+# Tool names (lower-cased) by kind. Claude Code, OpenHands, SWE-agent and generic names.
+_NAMES_BY_KIND = {
+    "file": "read write edit multiedit glob grep ls notebookedit notebookread todowrite todoread "
+    "str_replace_editor str_replace_based_edit_tool view read_file write_file edit_file "
+    "list_dir list_files search_files create_file apply_patch",
+    "shell": "bash shell run_command execute_bash execute_command run_shell_command terminal "
+    "exec_command bashoutput killshell python ipython",
+    "subagent": "task agent subagent dispatch_agent delegate",
+    "web": "webfetch websearch web_search web_fetch fetch browser",
+    "human": "human askuserquestion ask_user end_turn user",
+}
+KIND_OF_NAME = {name: kind for kind, names in _NAMES_BY_KIND.items() for name in names.split()}
+
+# Cold-start durations in seconds per kind, before any observation of a key. Orders of
+# magnitude from MORI Fig. 3 and traces.md (Claude Code: file tools ~0.1-1 s, shell
+# seconds, Task ~90 s median, human turns minutes).
+COLD_START_S: dict[str, float] = {
+    "file": 0.5,
+    "shell": 5.0,
+    "shell_fast": 0.5,
+    "shell_long": 30.0,
+    "web": 3.0,
+    "subagent": 90.0,
+    "human": 60.0,
+    "unknown": 5.0,
+}
+
+# First words of shell commands whose duration class is known without history.
+_FAST_WORDS = "ls cat head tail grep rg find echo pwd wc sed awk mkdir rm cp mv touch which git"
+_LONG_WORDS = "pytest make cargo npm yarn pnpm pip uv go mvn gradle tox docker cmake ctest bazel"
+_PREFIX_WORDS = "sudo time timeout nice env nohup exec command"
+SHELL_FAST = frozenset(_FAST_WORDS.split())
+SHELL_LONG = frozenset(_LONG_WORDS.split())
+_SHELL_PREFIXES = frozenset(_PREFIX_WORDS.split())
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")  # FOO=1 pytest
+_NUMBER = re.compile(r"^[0-9.]+[smh]?$")  # timeout 60 pytest
+
+
+def tool_kind(tool: str) -> str:
+    """The kind of a tool key ("Bash:pytest" -> "shell_long", "Read" -> "file")."""
+    base, _, sub = tool.partition(":")
+    kind = KIND_OF_NAME.get(base.strip().lower(), "unknown")
+    if kind == "shell" and sub:
+        if sub in SHELL_FAST:
+            return "shell_fast"
+        if sub in SHELL_LONG:
+            return "shell_long"
+    return kind
+
+
+def shell_first_word(command: str | list[str]) -> str | None:
+    """The program a shell command runs: skips `cd dir &&`, env assignments, sudo/timeout."""
+    text = " ".join(command) if isinstance(command, list) else str(command)
+    for segment in text.replace("||", "&&").replace(";", "&&").split("&&"):
+        try:
+            words = shlex.split(segment)
+        except ValueError:
+            words = segment.split()  # unbalanced quotes: best effort
+        while words and (
+            words[0] in _SHELL_PREFIXES or _ASSIGNMENT.match(words[0]) or _NUMBER.match(words[0])
+        ):
+            words = words[1:]
+        if words and words[0] != "cd":
+            if len(words) > 2 and words[0].startswith("python") and words[1] == "-m":
+                return words[2]  # python -m pytest runs pytest
+            return words[0].strip("\"'").rsplit("/", 1)[-1] or None
+    return None
+
+
+def _arguments(call: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """(name, arguments) of an OpenAI `tool_call` or an Anthropic `tool_use` block."""
+    fn = call.get("function")
+    if isinstance(fn, Mapping):
+        name, raw = fn.get("name") or "", fn.get("arguments") or {}
+    else:
+        name, raw = call.get("name") or "", call.get("input") or {}
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raw = {}
+    return str(name), raw if isinstance(raw, Mapping) else {}
+
+
+def tool_key(call: Mapping[str, Any]) -> str:
+    """The predictor's key for one tool call: its function name, plus the first word of
+    the command for shell tools ("Bash:pytest"), since `ls` and `pytest` differ by 100x."""
+    name, args = _arguments(call)
+    if not name:
+        return "unknown"
+    if KIND_OF_NAME.get(name.lower()) == "shell":
+        command = args.get("command", args.get("cmd"))
+        word = shell_first_word(command) if isinstance(command, (str, list)) else None
+        if word:
+            return f"{name}:{word}"
+    return name
+
+
+def tool_key_of_calls(calls: Iterable[Mapping[str, Any]] | None) -> str:
+    """One key for a response's tool calls. Parallel calls form one gap lasting as long as
+    the longest (MORI 3.1), so the key with the longest cold-start default stands for them;
+    no tool calls means the turn went back to the human."""
+    keys = [tool_key(c) for c in calls or ()]
+    if not keys:
+        return "human"
+    return max(keys, key=lambda k: COLD_START_S[tool_kind(k)])
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorStats:
+    """Prediction error of one tool kind over the observed calls."""
+
+    n: int
+    abs_p50_s: float
+    abs_p90_s: float
+    rel_p50: float
+    rel_p90: float
+    mean_actual_s: float
+    mean_predicted_s: float
+
+
+class DurationPredictor:
+    """Per (agent role, tool key) EWMA of tool durations with cold-start defaults.
+
+    Lookups fall back from the most to the least specific history: (agent, key), then
+    (any agent, key), then (any agent, base tool name, e.g. "Bash"), then the kind's
+    cold-start default. Every observation updates all three levels.
+    """
+
+    def __init__(
+        self, ewma_alpha: float = 0.3, hint_alpha: float = 0.5, max_samples: int = 100_000
+    ) -> None:
+        if not (0.0 < ewma_alpha <= 1.0 and 0.0 <= hint_alpha <= 1.0):
+            raise ValueError("ewma_alpha must be in (0, 1] and hint_alpha in [0, 1]")
+        self.ewma_alpha = ewma_alpha
+        self.hint_alpha = hint_alpha
+        self._ewma: dict[tuple[str | None, str], float] = {}
+        self._errors: dict[str, deque[tuple[float, float]]] = defaultdict(
+            lambda: deque(maxlen=max_samples)
+        )
+
+    @staticmethod
+    def _levels(agent: str | None, tool: str) -> list[tuple[str | None, str]]:
+        base = tool.partition(":")[0]
+        levels = [(agent, tool), (None, tool), (None, base)]
+        return list(dict.fromkeys(levels))  # drop duplicates, keep order
+
+    def history(self, agent: str | None, tool: str) -> float:
+        """t_hist: the most specific EWMA seen so far, else the kind's cold-start default."""
+        for level in self._levels(agent, tool):
+            if level in self._ewma:
+                return self._ewma[level]
+        return COLD_START_S[tool_kind(tool)]
+
+    def predict(self, agent: str | None, tool: str, hint_s: float | None = None) -> float:
+        """Predicted duration in seconds; a client hint is blended by equation 1."""
+        t_hist = self.history(agent, tool)
+        if hint_s is None or hint_s < 0:
+            return t_hist
+        return self.hint_alpha * float(hint_s) + (1.0 - self.hint_alpha) * t_hist
+
+    def observe(
+        self, agent: str | None, tool: str, actual_s: float, predicted_s: float | None = None
+    ) -> None:
+        """Feed one measured duration; `predicted_s` (what was forecast for it) is scored."""
+        actual_s = max(0.0, float(actual_s))
+        if predicted_s is not None:
+            self._errors[tool_kind(tool)].append((float(predicted_s), actual_s))
+        a = self.ewma_alpha
+        for level in self._levels(agent, tool):
+            old = self._ewma.get(level)
+            self._ewma[level] = actual_s if old is None else a * actual_s + (1 - a) * old
+
+    def error_stats(self) -> dict[str, ErrorStats]:
+        """Absolute and relative error distribution (p50 / p90) per tool kind.
+
+        Relative error is |predicted - actual| / actual, with actual floored at 0.1 s so
+        instant calls do not blow it up."""
+        out = {}
+        for kind, pairs in sorted(self._errors.items()):
+            if not pairs:
+                continue
+            abs_err = [abs(p - a) for p, a in pairs]
+            rel_err = [abs(p - a) / max(a, 0.1) for p, a in pairs]
+            out[kind] = ErrorStats(
+                n=len(pairs),
+                abs_p50_s=percentile(abs_err, 50),
+                abs_p90_s=percentile(abs_err, 90),
+                rel_p50=percentile(rel_err, 50),
+                rel_p90=percentile(rel_err, 90),
+                mean_actual_s=sum(a for _, a in pairs) / len(pairs),
+                mean_predicted_s=sum(p for p, _ in pairs) / len(pairs),
+            )
+        return out
