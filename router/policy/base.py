@@ -48,6 +48,11 @@ class PolicyConfig:
     hysteresis: float = 0.2  # idleness margin a swap must clear (stickiness)
     new_program_tokens: int = 2048  # context estimate before the first usage report
     smg_offload: bool = False  # smg baseline: engine host tier on/off
+    load_s_per_token: float = 5e-6  # one-way GPU<->host KV copy per token (replica preset)
+    predict_lead_s: float = 0.5  # mori+predict: promote this long + load time before tool end
+    predict_grace_s: float = 5.0  # mori+predict: room held past a predicted end before demotion
+    ewma_alpha: float = 0.3  # mori+predict: weight of the newest tool duration
+    hint_alpha: float = 0.5  # mori+predict: weight of a client's predict_time (Tokencake eq. 1)
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}
