@@ -1,0 +1,194 @@
+"""The engine patch's own logic, without SGLang: type ranking, victim order, admission order,
+hint epochs, residency counters and the offload / load-back plans."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine_patches.hint_book import HintBatch, HintBook, HintError
+from engine_patches.ranking import CacheTier, admit_rank, busy_first, keep_rank, victim_key
+from engine_patches.residency import ResidencyLedger
+from engine_patches.tree_plan import NodeView, load_back_plan, offload_plan
+from router.policy.types import Hint
+
+B, D, X = Hint.BUSY, Hint.IDLE, Hint.INACTIVE
+
+
+def evict_order(tier: CacheTier, nodes: dict[str, tuple[list[Hint], float]]) -> list[str]:
+    return sorted(nodes, key=lambda n: victim_key(tier, *nodes[n]))
+
+
+def test_device_evicts_inactive_then_idle_then_busy_lru_within():
+    nodes = {
+        "busy_old": ([B], 1.0),
+        "idle_new": ([D], 9.0),
+        "idle_old": ([D], 2.0),
+        "inact": ([X], 8.0),
+    }
+    assert evict_order(CacheTier.DEVICE, nodes) == ["inact", "idle_old", "idle_new", "busy_old"]
+
+
+def test_host_evicts_inactive_then_busy_then_idle():
+    nodes = {"busy": ([B], 1.0), "idle": ([D], 0.5), "inact": ([X], 9.0)}
+    assert evict_order(CacheTier.HOST, nodes) == ["inact", "busy", "idle"]
+
+
+def test_shared_node_takes_most_protective_type_per_tier():
+    assert keep_rank(CacheTier.DEVICE, [X, D, B]) == keep_rank(CacheTier.DEVICE, [B])
+    assert keep_rank(CacheTier.HOST, [B, D]) == keep_rank(CacheTier.HOST, [D])
+    assert keep_rank(CacheTier.DEVICE, [X, D]) > keep_rank(CacheTier.DEVICE, [X])
+
+
+def test_unhinted_node_counts_as_busy():
+    assert keep_rank(CacheTier.DEVICE, []) == keep_rank(CacheTier.DEVICE, [B])
+    assert admit_rank(None) == admit_rank(B)
+
+
+@given(st.lists(st.tuples(st.sampled_from([B, D, X, None]), st.integers()), max_size=30))
+def test_busy_first_is_a_stable_partition(queue):
+    before = list(queue)
+    busy_first(queue, lambda item: item[0])
+    assert sorted(queue, key=lambda item: admit_rank(item[0])) == queue
+    for rank in (0, 1, 2):  # the engine's own order survives inside each type
+        assert [q for q in queue if admit_rank(q[0]) == rank] == [
+            q for q in before if admit_rank(q[0]) == rank
+        ]
+
+
+def test_hint_batch_parse_rejects_bad_bodies():
+    assert HintBatch.parse({"epoch": 3, "hints": {"p": "idle"}}).hints == {"p": D}
+    for bad in (
+        [],
+        {"hints": {}},
+        {"epoch": -1, "hints": {}},
+        {"epoch": True, "hints": {}},
+        {"epoch": 1, "hints": []},
+        {"epoch": 1, "hints": {"p": "hot"}},
+        {"epoch": 1, "hints": {"": "busy"}},
+        {"epoch": 1, "hints": {}, "full": "yes"},
+    ):
+        with pytest.raises(HintError):
+            HintBatch.parse(bad)
+
+
+def test_hint_book_epochs_idempotence_and_full_sync():
+    book = HintBook()
+    first = book.apply(HintBatch(5, {"a": B, "b": D}))
+    assert not first.stale and first.changed == {"a": B, "b": D}
+    assert book.apply(HintBatch(5, {"a": B, "b": D})).changed == {}  # re-sent: no-op
+    stale = book.apply(HintBatch(4, {"a": X}))
+    assert stale.stale and book.hint("a") is B
+    full = book.apply(HintBatch(6, {"b": B}, full=True), known=["c"])
+    assert full.changed == {"a": X, "b": B, "c": X}
+    assert book.hint("zzz") is None and book.hint(None) is None
+
+
+def test_ledger_counts_per_program_and_shared_prefix():
+    led = ResidencyLedger()
+    led.observe("root_child", 10, 0)
+    led.stamp("root_child", "p1")
+    led.stamp("root_child", "p2")
+    led.stamp("leaf1", "p1")
+    led.observe("leaf1", 5, 0)
+    led.observe("leaf1", 5, 5)  # backed up
+    led.observe("root_child", 0, 10)  # demoted
+    assert led.residency("p1").as_json() == {"device_tokens": 5, "host_tokens": 15}
+    assert led.residency("p2").as_json() == {"device_tokens": 0, "host_tokens": 10}
+    assert (led.device_used, led.host_used) == (5, 15)
+    assert not led.stamp("leaf1", "p1")
+    led.forget("leaf1")
+    assert led.residency("p1").as_json() == {"device_tokens": 0, "host_tokens": 10}
+    led.forget("root_child")
+    assert list(led.programs()) == [] and (led.device_used, led.host_used) == (0, 0)
+
+
+def test_ledger_split_copies_programs():
+    led = ResidencyLedger()
+    led.stamp("child", "p")
+    led.observe("child", 8, 0)
+    led.copy_programs("child", "new_parent")
+    led.observe("child", 5, 0)
+    led.observe("new_parent", 3, 0)
+    assert led.residency("p").device_tokens == 8
+    assert led.nodes_of("p") == {"child", "new_parent"}
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 5),
+            st.sampled_from("abc"),
+            st.integers(0, 9),
+            st.integers(0, 9),
+            st.booleans(),
+        ),
+        max_size=60,
+    )
+)
+def test_ledger_matches_a_full_recount(ops):
+    """Counters after any sequence of updates equal a from-scratch walk."""
+    led = ResidencyLedger()
+    truth: dict[int, tuple[set[str], int, int]] = {}
+    for node, prog, dev, host, drop in ops:
+        if drop:
+            led.forget(node)
+            truth.pop(node, None)
+            continue
+        led.stamp(node, prog)
+        led.observe(node, dev, host)
+        progs = truth.get(node, (set(), 0, 0))[0] | {prog}
+        truth[node] = (progs, dev, host)
+    for prog in "abc":
+        dev = sum(d for ps, d, _ in truth.values() if prog in ps)
+        host = sum(h for ps, _, h in truth.values() if prog in ps)
+        assert led.residency(prog).as_json() == {"device_tokens": dev, "host_tokens": host}
+    assert led.device_used == sum(d for _, d, _ in truth.values())
+
+
+def view(nid, depth, progs, dev=True, bak=True, locked=False, children=(), cdev=None):
+    return NodeView(
+        nid,
+        depth,
+        frozenset(progs),
+        dev,
+        bak,
+        locked,
+        tuple(children),
+        tuple(children if cdev is None else cdev),
+    )
+
+
+def test_offload_plan_children_first_skips_shared_locked_unbacked():
+    views = [
+        view("shared", 1, {"p", "q"}, children=["own"]),
+        view("own", 2, {"p"}, children=["leaf_a", "leaf_b"]),
+        view("leaf_a", 3, {"p"}),
+        view("leaf_b", 3, {"p"}),
+        view("other", 1, {"p"}, children=["locked"]),
+        view("locked", 2, {"p"}, locked=True),
+        view("unbacked", 1, {"p"}, bak=False),
+    ]
+    plan = offload_plan("p", random.sample(views, len(views)))
+    assert set(plan) == {"own", "leaf_a", "leaf_b"}
+    assert plan.index("own") > plan.index("leaf_a") and plan.index("own") > plan.index("leaf_b")
+
+
+def test_offload_plan_ignores_already_evicted():
+    views = [view("a", 1, {"p"}, children=["b"], cdev=[]), view("b", 2, {"p"}, dev=False)]
+    assert offload_plan("p", views) == ["a"]
+
+
+def test_load_back_plan_picks_deepest_host_nodes():
+    views = [
+        view("dev", 1, {"p"}, children=["h1"], cdev=[]),
+        view("h1", 2, {"p"}, dev=False, children=["h2", "h3"], cdev=[]),
+        view("h2", 3, {"p"}, dev=False),
+        view("h3", 3, {"p", "q"}, dev=False),
+        view("lost", 3, {"p"}, dev=False, bak=False),
+        view("qonly", 2, {"q"}, dev=False),
+    ]
+    assert sorted(load_back_plan("p", views)) == ["h2", "h3"]
