@@ -1,0 +1,232 @@
+"""What a response tells the router: token usage and the tool call it ends in.
+
+OpenAI and Anthropic answers (streamed or not) are read here. The stream filter also
+drops the usage chunk the router forced (`stream_options.include_usage`) when the
+client did not ask for it, so clients see exactly the stream they requested.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SHELL_TOOLS = {"bash", "shell", "sh", "terminal", "run_shell", "execute_command", "exec", "run"}
+
+
+@dataclass
+class Usage:
+    """What the engine reported for one call (None fields: not reported)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    tool: str | None = None
+
+    @property
+    def context_tokens(self) -> int | None:
+        if self.prompt_tokens is None:
+            return None
+        return self.prompt_tokens + (self.completion_tokens or 0)
+
+
+def tool_label(name: str | None, arguments: Any) -> str | None:
+    """The tool a response calls; for shell-like tools, the command's first word."""
+    if not name:
+        return None
+    if name.lower() not in SHELL_TOOLS:
+        return name
+    args = arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return name
+    command = args.get("command") or args.get("cmd") if isinstance(args, dict) else None
+    if isinstance(command, list):
+        command = " ".join(str(c) for c in command)
+    if isinstance(command, str) and command.split():
+        return os.path.basename(command.split()[0])
+    return name
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --- OpenAI ---------------------------------------------------------------------------
+def openai_usage(doc: dict[str, Any], usage: Usage) -> None:
+    u = doc.get("usage")
+    if isinstance(u, dict):
+        usage.prompt_tokens = _int(u.get("prompt_tokens"))
+        usage.completion_tokens = _int(u.get("completion_tokens"))
+
+
+def openai_body(content: bytes) -> Usage:
+    """Usage and tool call of a non-streamed chat/completions answer."""
+    usage = Usage()
+    try:
+        doc = json.loads(content)
+    except ValueError:
+        return usage
+    if not isinstance(doc, dict):
+        return usage
+    openai_usage(doc, usage)
+    for choice in doc.get("choices") or []:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+            fn = calls[0].get("function") or {}
+            usage.tool = tool_label(fn.get("name"), fn.get("arguments"))
+            break
+    return usage
+
+
+class OpenAIStream:
+    """Reads an OpenAI SSE stream event by event, passing bytes through unchanged except
+    the forced usage chunk (dropped, or its `usage` removed, unless the client asked)."""
+
+    def __init__(self, client_wants_usage: bool) -> None:
+        self.client_wants_usage = client_wants_usage
+        self.usage = Usage()
+        self._buffer = b""
+        self._tool_name: str | None = None
+        self._tool_args: list[str] = []
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to send on for this chunk (whole events only; partial ones wait)."""
+        self._buffer += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+        if b"\n\n" not in self._buffer:
+            return b""
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        return b"".join(self._event(e) for e in events)
+
+    def flush(self) -> bytes:
+        rest, self._buffer = self._buffer, b""
+        return self._event(rest) if rest.strip() else b""
+
+    def finish(self) -> Usage:
+        if self._tool_name:
+            self.usage.tool = tool_label(self._tool_name, "".join(self._tool_args))
+        return self.usage
+
+    def _event(self, event: bytes) -> bytes:
+        out = event + b"\n\n"
+        has_usage = b'"usage"' in event and b'"usage":null' not in event.replace(b" ", b"")
+        if not has_usage and b'"tool_calls"' not in event:
+            return out
+        doc = _sse_json(event)
+        if doc is None:
+            return out
+        if has_usage:
+            openai_usage(doc, self.usage)
+            if not self.client_wants_usage:
+                if not doc.get("choices"):
+                    return b""
+                doc.pop("usage", None)
+                out = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+        self._tool_delta(doc)
+        return out
+
+    def _tool_delta(self, doc: dict[str, Any]) -> None:
+        for choice in doc.get("choices") or []:
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            for call in calls if isinstance(calls, list) else []:
+                if not isinstance(call, dict) or call.get("index", 0) != 0:
+                    continue
+                fn = call.get("function") or {}
+                if fn.get("name"):
+                    self._tool_name = fn["name"]
+                if isinstance(fn.get("arguments"), str):
+                    self._tool_args.append(fn["arguments"])
+
+
+# --- Anthropic ------------------------------------------------------------------------
+def anthropic_usage(u: Any, usage: Usage) -> None:
+    if not isinstance(u, dict):
+        return
+    prompt = [
+        _int(u.get(k))
+        for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    ]
+    if prompt[0] is not None:
+        usage.prompt_tokens = sum(p or 0 for p in prompt)
+    if _int(u.get("output_tokens")) is not None:
+        usage.completion_tokens = u["output_tokens"]
+
+
+def anthropic_body(content: bytes) -> Usage:
+    usage = Usage()
+    try:
+        doc = json.loads(content)
+    except ValueError:
+        return usage
+    if not isinstance(doc, dict):
+        return usage
+    anthropic_usage(doc.get("usage"), usage)
+    for block in doc.get("content") or []:
+        if isinstance(block, dict) and block.get("type") == "tool_use":
+            usage.tool = tool_label(block.get("name"), block.get("input"))
+            break
+    return usage
+
+
+class AnthropicStream:
+    """Reads a Messages SSE stream for usage and the first tool_use block; passes all bytes."""
+
+    def __init__(self, client_wants_usage: bool = True) -> None:
+        self.usage = Usage()
+        self._buffer = b""
+        self._tool_name: str | None = None
+        self._tool_index: int | None = None
+        self._tool_args: list[str] = []
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buffer += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+        if b"\n\n" in self._buffer:
+            *events, self._buffer = self._buffer.split(b"\n\n")
+            for e in events:
+                self._event(e)
+        return chunk
+
+    def flush(self) -> bytes:
+        self._buffer = b""
+        return b""
+
+    def finish(self) -> Usage:
+        if self._tool_name:
+            self.usage.tool = tool_label(self._tool_name, "".join(self._tool_args) or None)
+        return self.usage
+
+    def _event(self, event: bytes) -> None:
+        if b'"usage"' not in event and b"tool_use" not in event and b"input_json" not in event:
+            return
+        doc = _sse_json(event)
+        if doc is None:
+            return
+        kind = doc.get("type")
+        if kind == "message_start" and isinstance(doc.get("message"), dict):
+            anthropic_usage(doc["message"].get("usage"), self.usage)
+        elif kind == "message_delta":
+            anthropic_usage(doc.get("usage"), self.usage)
+        elif kind == "content_block_start":
+            block = doc.get("content_block") or {}
+            if block.get("type") == "tool_use" and self._tool_name is None:
+                self._tool_name, self._tool_index = block.get("name"), doc.get("index")
+        elif kind == "content_block_delta" and doc.get("index") == self._tool_index:
+            delta = doc.get("delta") or {}
+            if isinstance(delta.get("partial_json"), str):
+                self._tool_args.append(delta["partial_json"])
+
+
+def _sse_json(event: bytes) -> dict[str, Any] | None:
+    """The JSON object in an SSE event's data lines, or None."""
+    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    if not data or data == b"[DONE]":
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -1,0 +1,152 @@
+"""Settings of `mori serve`: defaults < YAML file < MORI_<FIELD> env vars < command-line flags.
+
+One pydantic model validates all four sources the same way, so a bad value names its
+field and source instead of failing later inside the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "MORI_"
+
+
+class ConfigError(ValueError):
+    """A configuration problem explained in one readable message."""
+
+
+class ReplicaSpec(BaseModel):
+    """One engine replica; token budgets override what `/get_server_info` reports."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    gpu_tokens: int | None = Field(default=None, gt=0)
+    cpu_tokens: int | None = Field(default=None, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        v = v.strip().rstrip("/")
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"replica url must start with http:// or https://, got {v!r}")
+        return v
+
+
+class RouterConfig(BaseModel):
+    """Every knob of the live router (documented in docs/router.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: list[ReplicaSpec] = Field(default_factory=list)
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=1, le=65535)
+    policy: str = "mori"
+    tick_s: float = Field(default=5.0, gt=0)
+    window: int = Field(default=4, ge=1)
+    lease_s: float = Field(default=900.0, gt=0)
+    hysteresis: float = Field(default=0.2, ge=0, le=1)
+    new_program_tokens: int = Field(default=2048, gt=0)
+    gate_timeout_s: float = Field(default=300.0, gt=0)
+    hint_sync_s: float = Field(default=30.0, gt=0)
+    capacity_refresh_s: float = Field(default=60.0, gt=0)
+    host_ratio: float = Field(default=2.0, ge=0)  # host tier = ratio x GPU when unreported
+    health_interval_s: float = Field(default=5.0, gt=0)
+    health_timeout_s: float = Field(default=5.0, gt=0)
+    health_failures: int = Field(default=3, ge=1)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    max_retries: int = Field(default=2, ge=0)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    api_keys: list[str] = Field(default_factory=list)
+    admin_key: str | None = None
+    log_level: str = "info"
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replica_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [u for u in v.split(",") if u.strip()]
+        if isinstance(v, list):
+            return [{"url": u} if isinstance(u, str) else u for u in v]
+        return v
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _key_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _distinct_replicas(self) -> RouterConfig:
+        urls = [r.url for r in self.replicas]
+        if len(set(urls)) != len(urls):
+            raise ValueError("replica urls must be distinct")
+        return self
+
+
+def _from_file(path: str | Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """MORI_<FIELD> for every field; values are YAML scalars/lists, lists also comma-separated."""
+    out: dict[str, Any] = {}
+    for name in RouterConfig.model_fields:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None or raw == "":
+            continue
+        if name in ("replicas", "api_keys", "admin_key", "host", "policy", "log_level"):
+            out[name] = raw if not raw.lstrip().startswith(("[", "{")) else yaml.safe_load(raw)
+        else:
+            out[name] = yaml.safe_load(raw)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> RouterConfig:
+    """Merge file, env and overrides (flags; None values ignored) and validate once."""
+    merged = _from_file(path)
+    merged.update(_from_env(os.environ if env is None else env))
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        config = RouterConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+    if not config.replicas:
+        raise ConfigError(
+            "no replicas configured: pass --replicas URL[,URL...], set MORI_REPLICAS, "
+            "or list `replicas:` in the config file"
+        )
+    return config
+
+
+def _explain(error: ValidationError) -> str:
+    lines = ["invalid router configuration:"]
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown setting" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)

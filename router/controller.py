@@ -1,0 +1,259 @@
+"""The imperative shell around the pure policy: clock, background loops, moves -> effects.
+
+Every policy call goes through `Router.apply`, which turns the returned moves into
+their effects: metrics, gate wake-ups and a hint push. Background loops drive the
+periodic parts: rebalance ticks, full hint syncs, capacity refresh and health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+
+from router.config import RouterConfig
+from router.engines import HintsUnsupported, Replica, make_replicas
+from router.gate import Gate
+from router.metrics import RouterMetrics
+from router.policy import Policy, PolicyConfig, make_policy
+from router.policy.types import Hint, Move, ReplicaCapacity
+
+log = logging.getLogger("mori.router")
+
+DEFAULT_CHARS_PER_TOKEN = 4.0
+EMA_ALPHA = 0.3
+
+
+def policy_config(config: RouterConfig) -> PolicyConfig:
+    return PolicyConfig(
+        window=config.window,
+        tick_s=config.tick_s,
+        lease_s=config.lease_s,
+        hysteresis=config.hysteresis,
+        new_program_tokens=config.new_program_tokens,
+    )
+
+
+class Router:
+    """State of one live router process: policy, replicas, gate, metrics, loops."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.policy = policy or make_policy(config.policy, policy_config(config))
+        self.metrics = RouterMetrics()
+        self.gate = Gate(clock)
+        self.client, self.replicas = make_replicas(config)
+        self.epoch = 0
+        self.in_flight = 0
+        self._chars_per_token: dict[str, float] = {}
+        self._hints_dirty = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+
+    # lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Learn every replica's capacity (a down replica joins drained), start the loops."""
+        results = await asyncio.gather(
+            *(r.fetch_capacity(self.config.host_ratio) for r in self.replicas.values()),
+            return_exceptions=True,
+        )
+        now = self.clock()
+        for replica, result in zip(self.replicas.values(), results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("replica %s not reachable at start (%s): drained", replica.url, result)
+                spec = replica.spec
+                cap = ReplicaCapacity(spec.gpu_tokens or 0, spec.cpu_tokens or 0)
+                self.policy.add_replica(replica.url, cap)
+                self.apply(self.policy.set_healthy(replica.url, False, now))
+            else:
+                self.policy.add_replica(replica.url, result)
+        self.metrics.refresh_tiers(self.policy, now)
+        loops = [self._tick_loop, self._capacity_loop, self._health_loop]
+        if self.policy.sends_hints:
+            loops.append(self._hint_loop)
+        self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
+
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        """Run a fire-and-forget job (an engine abort) that must outlive its request."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._background:
+            await asyncio.wait(self._background, timeout=2.0)
+        await self.client.aclose()
+
+    # moves -> effects ---------------------------------------------------------------
+    def apply(self, moves: list[Move]) -> None:
+        """Record moves, let released requests through, schedule the hint push."""
+        if moves:
+            self.metrics.record_moves(moves)
+            if self.policy.sends_hints:
+                self._hints_dirty.set()
+        self.gate.wake_all()
+
+    # token estimates ----------------------------------------------------------------
+    def estimate_tokens(self, program_id: str, chars: int) -> int:
+        return max(1, int(chars / self._chars_per_token.get(program_id, DEFAULT_CHARS_PER_TOKEN)))
+
+    def learn_tokens(self, program_id: str, chars: int, prompt_tokens: int) -> None:
+        """Per-program EMA of characters per prompt token (tokenisers differ by content)."""
+        if prompt_tokens <= 0 or chars <= 0:
+            return
+        sample = chars / prompt_tokens
+        old = self._chars_per_token.get(program_id)
+        self._chars_per_token[program_id] = (
+            sample if old is None else EMA_ALPHA * sample + (1 - EMA_ALPHA) * old
+        )
+
+    def end_program(self, program_id: str) -> bool:
+        if program_id not in self.policy.programs:
+            return False
+        self.apply(self.policy.end(program_id, self.clock()))
+        self._chars_per_token.pop(program_id, None)
+        return True
+
+    # replica failures -------------------------------------------------------------
+    def drain(self, replica: Replica, why: str) -> None:
+        """Take a replica out: its programs go to WAITING and are re-placed elsewhere."""
+        if not self.policy.tiers.healthy.get(replica.url, False):
+            return
+        log.warning("replica %s drained: %s", replica.url, why)
+        replica.failures = max(replica.failures, self.config.health_failures)
+        self.apply(self.policy.set_healthy(replica.url, False, self.clock()))
+        self.metrics.replica_healthy.labels(replica.url).set(0)
+
+    async def _rejoin(self, replica: Replica) -> None:
+        try:
+            cap = await replica.fetch_capacity(self.config.host_ratio)
+        except (httpx.HTTPError, ValueError) as e:
+            log.info("replica %s healthy but capacity unknown: %s", replica.url, e)
+            return
+        self.policy.set_capacity(replica.url, cap)
+        log.warning("replica %s rejoined", replica.url)
+        self.apply(self.policy.set_healthy(replica.url, True, self.clock()))
+        self.metrics.replica_healthy.labels(replica.url).set(1)
+        if self.policy.sends_hints:
+            await self.sync_hints(full=True)
+
+    # loops -------------------------------------------------------------------------
+    async def _every(self, period: float, step: Callable[[], object]) -> None:
+        """Run `step` every `period` seconds; one failure is logged, never fatal."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                result = step()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # a loop must survive anything one step throws
+                log.exception("background step %s failed", getattr(step, "__name__", step))
+
+    async def _tick_loop(self) -> None:
+        await self._every(self.config.tick_s, self.tick)
+
+    def tick(self) -> None:
+        started = time.perf_counter()
+        now = self.clock()
+        self.apply(self.policy.tick(now))
+        self.metrics.tick_seconds.observe(time.perf_counter() - started)
+        self.metrics.refresh_tiers(self.policy, now)
+        self.metrics.gate_waiting.set(self.gate.waiting)
+
+    async def _capacity_loop(self) -> None:
+        await self._every(self.config.capacity_refresh_s, self.refresh_capacity)
+
+    async def refresh_capacity(self) -> None:
+        for replica in self.replicas.values():
+            if not self.policy.tiers.healthy[replica.url]:
+                continue
+            try:
+                cap = await replica.fetch_capacity(self.config.host_ratio)
+            except (httpx.HTTPError, ValueError) as e:
+                log.info("capacity refresh of %s failed: %s", replica.url, e)
+                continue
+            if cap != self.policy.tiers.capacity.get(replica.url):
+                self.policy.set_capacity(replica.url, cap)
+
+    async def _health_loop(self) -> None:
+        await self._every(self.config.health_interval_s, self.check_health)
+
+    async def check_health(self) -> None:
+        """Tolerant of long prefills: only `health_failures` misses in a row drain."""
+        replicas = list(self.replicas.values())
+        results = await asyncio.gather(*(r.healthy() for r in replicas))
+        for replica, ok in zip(replicas, results, strict=True):
+            healthy = self.policy.tiers.healthy[replica.url]
+            if ok:
+                replica.failures = 0
+                if not healthy:
+                    await self._rejoin(replica)
+                continue
+            replica.failures += 1
+            if healthy and replica.failures >= self.config.health_failures:
+                self.drain(replica, f"{replica.failures} failed health checks")
+
+    # hints ---------------------------------------------------------------------------
+    async def _hint_loop(self) -> None:
+        """Push changed hints right after moves; a full sync every `hint_sync_s` repairs drift."""
+        next_full = self.clock() + self.config.hint_sync_s
+        while True:
+            timeout = max(0.0, next_full - self.clock())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._hints_dirty.wait()
+            full = self.clock() >= next_full
+            if full:
+                next_full = self.clock() + self.config.hint_sync_s
+            try:
+                await self.sync_hints(full=full)
+            except Exception:
+                log.exception("hint push failed")
+
+    async def sync_hints(self, full: bool) -> None:
+        self._hints_dirty.clear()
+        batches = self.policy.hints() if full else self.policy.hint_updates()
+        if full:
+            self.policy.hint_updates()  # the full batch supersedes pending deltas
+        self.epoch += 1
+        jobs = [
+            self._push(self.replicas[url], hints, full)
+            for url, hints in batches.items()
+            if url in self.replicas and (hints or full) and self.policy.tiers.healthy[url]
+        ]
+        await asyncio.gather(*jobs)
+
+    async def _push(self, replica: Replica, hints: dict[str, Hint], full: bool) -> None:
+        if not replica.hints_supported and not full:
+            return
+        try:
+            await replica.push_hints(self.epoch, hints, full)
+        except HintsUnsupported:
+            if replica.hints_supported:
+                log.warning("replica %s has no /mori/hints: serving without hints", replica.url)
+            replica.hints_supported = False
+            self.metrics.hint_unsupported.labels(replica.url).inc()
+            self.metrics.hint_pushes.labels(replica.url, "unsupported").inc()
+            return
+        except (httpx.HTTPError, ValueError) as e:
+            log.info("hint push to %s failed: %s", replica.url, e)
+            self.metrics.hint_pushes.labels(replica.url, "error").inc()
+            return
+        replica.hints_supported = True
+        self.metrics.hint_pushes.labels(replica.url, "ok").inc()

@@ -1,0 +1,135 @@
+"""The router's view of its engine replicas: one pooled httpx client, one `Replica` each.
+
+Everything a replica is asked goes through here: inference (streamed), capacity
+(`/get_server_info`), health, hint batches (`/mori/hints`) and aborts (`/abort_request`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from router.config import ReplicaSpec, RouterConfig
+from router.policy.types import Hint, ReplicaCapacity
+
+log = logging.getLogger("mori.engines")
+
+# Fields under which a server may report its host (DRAM) KV tier in tokens.
+HOST_TOKEN_FIELDS = ("max_host_num_tokens", "host_total_num_tokens", "hicache_host_tokens")
+
+
+class HintsUnsupported(Exception):
+    """The replica has no `/mori/hints` (plain SGLang): serve through it without hints."""
+
+
+@dataclass
+class Replica:
+    """One engine replica and the router's running knowledge of it."""
+
+    spec: ReplicaSpec
+    client: httpx.AsyncClient
+    health_timeout_s: float
+    failures: int = 0  # consecutive failed health checks
+    hints_supported: bool = True
+    capacity: ReplicaCapacity | None = None
+    last_residency: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    # inference ----------------------------------------------------------------------
+    async def open(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """Send an inference request; the caller reads (and must close) the body stream."""
+        request = self.client.build_request("POST", self.url + path, content=body, headers=headers)
+        return await self.client.send(request, stream=True)
+
+    async def abort(self, rid: str) -> None:
+        """Tell the engine to stop a request whose client went away (best effort)."""
+        try:
+            await self.client.post(
+                self.url + "/abort_request", json={"rid": rid}, timeout=self.health_timeout_s
+            )
+        except httpx.HTTPError as e:
+            log.info("abort of %s on %s failed: %s", rid, self.url, e)
+
+    # capacity and health -----------------------------------------------------------
+    async def fetch_capacity(self, host_ratio: float) -> ReplicaCapacity:
+        """Token budgets: config overrides, else `/get_server_info`, else an error."""
+        gpu, cpu = self.spec.gpu_tokens, self.spec.cpu_tokens
+        if gpu is None or cpu is None:
+            r = await self.client.get(self.url + "/get_server_info", timeout=self.health_timeout_s)
+            r.raise_for_status()
+            info = r.json()
+            if gpu is None:
+                gpu = _int_field(info, "max_total_num_tokens")
+                if gpu is None:
+                    raise ValueError(f"{self.url}/get_server_info has no max_total_num_tokens")
+            if cpu is None:
+                cpu = _host_tokens(info, gpu, host_ratio)
+        self.capacity = ReplicaCapacity(gpu_tokens=int(gpu), cpu_tokens=int(cpu))
+        return self.capacity
+
+    async def healthy(self) -> bool:
+        try:
+            r = await self.client.get(self.url + "/health", timeout=self.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    # hints -----------------------------------------------------------------------
+    async def push_hints(self, epoch: int, hints: dict[str, Hint], full: bool) -> dict[str, Any]:
+        """POST one hint batch; raises HintsUnsupported on 404/405, httpx errors otherwise."""
+        payload = {"epoch": epoch, "full": full, "hints": {p: h.value for p, h in hints.items()}}
+        r = await self.client.post(
+            self.url + "/mori/hints", json=payload, timeout=self.health_timeout_s
+        )
+        if r.status_code in (404, 405):
+            raise HintsUnsupported(self.url)
+        r.raise_for_status()
+        answer = r.json()
+        self.last_residency = answer.get("residency") or {}
+        return answer
+
+
+def _int_field(info: dict[str, Any], name: str) -> int | None:
+    value = info.get(name)
+    if value is None:  # SGLang nests some fields per data-parallel rank
+        for state in info.get("internal_states") or []:
+            if isinstance(state, dict) and state.get(name) is not None:
+                value = state[name]
+                break
+    return int(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def _host_tokens(info: dict[str, Any], gpu: int, host_ratio: float) -> int:
+    """Host tier size: reported tokens, else HiCache's ratio, else the configured ratio."""
+    for name in HOST_TOKEN_FIELDS:
+        value = _int_field(info, name)
+        if value is not None:
+            return value
+    if info.get("enable_hierarchical_cache") is False:
+        return 0
+    ratio = info.get("hicache_ratio")
+    if isinstance(ratio, int | float) and ratio > 0:
+        return int(gpu * ratio)
+    return int(gpu * host_ratio)
+
+
+def make_replicas(config: RouterConfig) -> tuple[httpx.AsyncClient, dict[str, Replica]]:
+    """One shared connection pool (keep-alive to every replica) and a Replica per URL."""
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            config.request_timeout_s, connect=config.connect_timeout_s, pool=config.gate_timeout_s
+        ),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+        trust_env=False,
+    )
+    replicas = {
+        spec.url: Replica(spec=spec, client=client, health_timeout_s=config.health_timeout_s)
+        for spec in config.replicas
+    }
+    return client, replicas

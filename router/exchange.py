@@ -1,0 +1,309 @@
+"""One proxied inference request, from arrival to its last byte, as an ASGI response.
+
+The whole life of a request runs inside one `try`/`finally` chain so that every exit
+(answer, engine error, gate timeout, client disconnect, cancellation) leaves the policy
+consistent: a gated request is `cancel`led, a forwarded one gets its `on_response`,
+and an engine request whose client left is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from router.accounting import (
+    AnthropicStream,
+    OpenAIStream,
+    Usage,
+    anthropic_body,
+    openai_body,
+)
+from router.controller import Router
+from router.engines import Replica
+from router.errors import ApiError, error_body
+from router.gate import GateTimeout
+
+log = logging.getLogger("mori.exchange")
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+PASSED_HEADERS = ("anthropic-version", "anthropic-beta", "x-request-id")
+
+
+class _Retry(Exception):
+    """The replica failed before the client saw a byte: another replica may serve it."""
+
+
+class ClientGone(Exception):
+    """Sending to the client failed: it disconnected."""
+
+
+@dataclass
+class Call:
+    """The parsed request, ready to forward."""
+
+    path: str  # upstream path, e.g. /v1/chat/completions
+    anthropic: bool
+    body: dict[str, Any]  # program_id already stripped
+    program_id: str
+    stream: bool
+    client_wants_usage: bool
+    prompt_chars: int
+    arrival: float
+    headers: dict[str, str]
+
+
+class Exchange(Response):
+    """ASGI response that gates, forwards, relays and accounts for one `Call`."""
+
+    def __init__(self, router: Router, call: Call) -> None:  # no Response.__init__: no body
+        self.background = None
+        self.router = router
+        self.call = call
+        self.rid = call.body.get("rid") if isinstance(call.body.get("rid"), str) else None
+        self.rid = self.rid or uuid.uuid4().hex
+        self.started = False  # response headers went to the client
+        self.outcome = "ok"
+        self.replica: Replica | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                self.outcome = "client_disconnect"
+                work.cancel()
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ClientGone):
+                await work
+
+    # the request's life --------------------------------------------------------------
+    async def _run(self, send: Send) -> None:
+        r = self.router
+        r.in_flight += 1
+        try:
+            deadline = self.call.arrival + r.config.gate_timeout_s
+            async with r.gate.turn(self.call.program_id, deadline):
+                await self._attempts(send, deadline)
+        except GateTimeout:
+            self.outcome = "timeout"
+            r.metrics.gate_timeouts.inc()
+            retry = str(max(1, int(r.config.tick_s)))
+            await self._error(
+                send,
+                ApiError(
+                    503,
+                    "the program could not be placed on a GPU in time; retry later",
+                    code="gate_timeout",
+                    headers={"retry-after": retry},
+                ),
+            )
+        except ApiError as e:
+            self.outcome = "error"
+            await self._error(send, e)
+        except ClientGone:
+            self.outcome = "client_disconnect"
+        finally:
+            r.in_flight -= 1
+            label = self.replica.url if self.replica else "-"
+            r.metrics.requests.labels(label, self.outcome).inc()
+            r.metrics.latency.labels(label).observe(r.clock() - self.call.arrival)
+
+    async def _attempts(self, send: Send, deadline: float) -> None:
+        r, pid, policy = self.router, self.call.program_id, self.router.policy
+        for _ in range(r.config.max_retries + 1):
+            try:
+                moves = policy.on_request(
+                    pid, r.clock(), r.estimate_tokens(pid, self.call.prompt_chars)
+                )
+            except ValueError as e:  # a second request in flight despite the turn lock
+                raise ApiError(409, str(e), code="program_busy") from None
+            r.apply(moves)
+            replica = self.router.replicas[await self._gated(deadline)]
+            self.replica = replica
+            usage = Usage()
+            try:
+                usage = await self._forward(replica, send)
+                return
+            except _Retry as e:
+                r.metrics.requests.labels(replica.url, "retried").inc()
+                r.drain(replica, str(e))
+            finally:
+                now = r.clock()
+                r.apply(policy.on_response(pid, now, usage.context_tokens))
+                if usage.tool:
+                    r.apply(policy.on_tool_start(pid, now, tool=usage.tool, agent=None))
+        raise ApiError(
+            502, "no healthy replica could serve the request", code="upstream_unavailable"
+        )
+
+    async def _gated(self, deadline: float) -> str:
+        """Wait for the program's replica; on any exit but success the request is cancelled."""
+        r, pid = self.router, self.call.program_id
+        held_from = r.clock()
+        r.metrics.gate_waiting.inc()
+        try:
+            url = await r.gate.until_routed(pid, lambda: r.policy.route(pid), deadline)
+        except BaseException:
+            r.apply(r.policy.cancel(pid, r.clock()))
+            raise
+        finally:
+            r.metrics.gate_waiting.dec()
+        r.metrics.gate_wait.observe(r.clock() - held_from)
+        return url
+
+    # forwarding ----------------------------------------------------------------------
+    def _upstream_body(self) -> bytes:
+        body = dict(self.call.body)
+        body["session_id"] = self.call.program_id
+        if not self.call.anthropic:
+            body["rid"] = self.rid
+            if self.call.stream:
+                options = body.get("stream_options")
+                body["stream_options"] = {**(options or {}), "include_usage": True}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    async def _forward(self, replica: Replica, send: Send) -> Usage:
+        headers = {"content-type": "application/json", **self.call.headers}
+        complete = False
+        try:
+            upstream = await replica.open(self.call.path, self._upstream_body(), headers)
+        except httpx.TransportError as e:
+            raise _Retry(f"{type(e).__name__} before the response started") from None
+        try:
+            if upstream.status_code >= 400:
+                await self._relay_error(upstream, send)
+                complete = True
+                return Usage()
+            relay = self._relay_stream if self.call.stream else self._relay_body
+            usage = await relay(upstream, replica, send)
+            complete = True
+            return usage
+        finally:
+            if not complete:
+                r = self.router
+                r.spawn(replica.abort(self.rid))
+            await upstream.aclose()
+
+    async def _relay_body(self, upstream: httpx.Response, replica: Replica, send: Send) -> Usage:
+        try:
+            content = await upstream.aread()
+        except httpx.TransportError as e:
+            raise _Retry(f"{type(e).__name__} while reading the answer") from None
+        usage = (anthropic_body if self.call.anthropic else openai_body)(content)
+        now = self.router.clock()
+        self.router.metrics.ttft.labels(replica.url).observe(now - self.call.arrival)
+        ctype = upstream.headers.get("content-type", "application/json").encode()
+        await self._send(send, upstream.status_code, [(b"content-type", ctype)], content)
+        self._account(replica, usage, content)
+        return usage
+
+    async def _relay_stream(self, upstream: httpx.Response, replica: Replica, send: Send) -> Usage:
+        parser = (AnthropicStream if self.call.anthropic else OpenAIStream)(
+            self.call.client_wants_usage
+        )
+        chunks = upstream.aiter_raw()
+        try:
+            async for chunk in chunks:
+                out = parser.feed(chunk)
+                if not self.started:
+                    if not out:
+                        continue
+                    self.router.metrics.ttft.labels(replica.url).observe(
+                        self.router.clock() - self.call.arrival
+                    )
+                    await self._start(send, 200, SSE_HEADERS)
+                if out:
+                    await self._body(send, out, more=True)
+        except httpx.TransportError as e:
+            if not self.started:
+                raise _Retry(f"{type(e).__name__} before the first byte") from None
+            self.outcome = "error"
+            log.warning("replica %s failed mid-stream: %s", replica.url, e)
+            await self._body(send, _sse_error("the engine replica failed mid-stream"), more=False)
+            return parser.finish()
+        tail = parser.flush()
+        if not self.started:
+            await self._start(send, 200, SSE_HEADERS)
+        await self._body(send, tail, more=False)
+        usage = parser.finish()
+        self._account(replica, usage, None)
+        return usage
+
+    async def _relay_error(self, upstream: httpx.Response, send: Send) -> None:
+        """Pass an engine error on, in OpenAI shape whatever the engine sent."""
+        content = await upstream.aread()
+        status = upstream.status_code
+        try:
+            doc = json.loads(content)
+        except ValueError:
+            doc = None
+        if not (isinstance(doc, dict) and isinstance(doc.get("error"), dict | str)):
+            message = doc.get("detail") if isinstance(doc, dict) else None
+            content = error_body(status, str(message or f"engine answered {status}"))
+        self.outcome = "error"
+        await self._send(send, status, [(b"content-type", b"application/json")], content)
+
+    def _account(self, replica: Replica, usage: Usage, content: bytes | None) -> None:
+        r, pid = self.router, self.call.program_id
+        if usage.prompt_tokens is not None:
+            r.metrics.prompt_tokens.labels(replica.url).inc(usage.prompt_tokens)
+            r.learn_tokens(pid, self.call.prompt_chars, usage.prompt_tokens)
+        if usage.completion_tokens is not None:
+            r.metrics.output_tokens.labels(replica.url).inc(usage.completion_tokens)
+
+    # sending ---------------------------------------------------------------------------
+    def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return [*headers, (b"x-mori-program-id", self.call.program_id.encode())]
+
+    async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        try:
+            await send(
+                {"type": "http.response.start", "status": status, "headers": self._headers(headers)}
+            )
+        except OSError:
+            raise ClientGone from None
+
+    async def _body(self, send: Send, data: bytes, more: bool) -> None:
+        try:
+            await send({"type": "http.response.body", "body": data, "more_body": more})
+        except OSError:
+            raise ClientGone from None
+
+    async def _send(self, send: Send, status: int, headers: list, content: bytes) -> None:
+        await self._start(send, status, [*headers, (b"content-length", str(len(content)).encode())])
+        await self._body(send, content, more=False)
+
+    async def _error(self, send: Send, error: ApiError) -> None:
+        if self.started:  # mid-stream: the status is gone, tell the client in the stream
+            with contextlib.suppress(ClientGone):
+                await self._body(send, _sse_error(error.message), more=False)
+            return
+        headers = [(k.encode(), v.encode()) for k, v in error.headers.items()]
+        with contextlib.suppress(ClientGone):
+            await self._send(
+                send, error.status, [(b"content-type", b"application/json"), *headers], error.body()
+            )
+
+
+def _sse_error(message: str) -> bytes:
+    return b"data: " + error_body(502, message, code="upstream_error") + b"\n\n"
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client goes away (the request body was already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,94 @@
+"""The gate: holds a request until its program is placed on a GPU tier.
+
+Two waits, both bounded by one deadline: a program's requests take turns (the policy
+allows one in flight per program), then the turn-holder waits for `route()` to name a
+replica. Moves wake exactly the programs they touch through one `asyncio.Event` each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+
+
+class GateTimeout(Exception):
+    """The request was not let through before its deadline."""
+
+
+class Gate:
+    """Per-program turn-taking and promotion wake-ups. Owns no policy state."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._turns: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        self.waiting = 0  # requests blocked in `until_routed`
+
+    @contextlib.asynccontextmanager
+    async def turn(self, program_id: str, deadline: float) -> AsyncIterator[None]:
+        """Serialise requests of one program; the lock is dropped when nobody uses it."""
+        lock, users = self._turns.get(program_id, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._turns[program_id] = (lock, users + 1)
+        try:
+            if lock.locked():
+                await self._bounded(lock.acquire, deadline)
+            else:
+                await lock.acquire()  # uncontended: no timer needed
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            lock, users = self._turns[program_id]
+            if users <= 1:
+                del self._turns[program_id]
+            else:
+                self._turns[program_id] = (lock, users - 1)
+
+    async def until_routed(
+        self, program_id: str, route: Callable[[], str | None], deadline: float
+    ) -> str:
+        """Wait until `route()` names a replica; woken by `wake(program_id)`."""
+        replica = route()
+        if replica is not None:
+            return replica
+        event = self._events.setdefault(program_id, asyncio.Event())
+        self.waiting += 1
+        try:
+            while (replica := route()) is None:
+                event.clear()
+                await self._bounded(event.wait, deadline)
+            return replica
+        finally:
+            self.waiting -= 1
+            self._events.pop(program_id, None)
+
+    def wake(self, program_ids: Iterable[str]) -> None:
+        """Re-check the named programs (called after every batch of moves)."""
+        for pid in program_ids:
+            event = self._events.get(pid)
+            if event is not None:
+                event.set()
+
+    def wake_all(self) -> None:
+        for event in self._events.values():
+            event.set()
+
+    @property
+    def turns(self) -> int:
+        """Programs with a request in flight or queued (leak check for tests)."""
+        return len(self._turns)
+
+    async def _bounded(self, wait: Callable[[], Awaitable[object]], deadline: float) -> None:
+        """Await `wait()` until the deadline; a timeout cancels it cleanly (no lock leaks)."""
+        remaining = deadline - self._clock()
+        if remaining <= 0:
+            raise GateTimeout
+        try:
+            async with asyncio.timeout(remaining):
+                await wait()
+        except TimeoutError:
+            raise GateTimeout from None

@@ -1,0 +1,126 @@
+"""Prometheus metrics of the live router: exactly the names in docs/metrics.md.
+
+Each router owns its own registry, so several routers (tests, benchmarks) can live in
+one process without clashing on the global default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from router.policy.base import Policy
+from router.policy.types import Move, Placement, Tier
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
+
+
+class RouterMetrics:
+    """The metric objects, plus helpers that keep the gauges in step with the policy."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.programs = Gauge("mori_programs", "programs per tier", ["replica", "tier"], registry=r)
+        self.tier_tokens = Gauge(
+            "mori_tier_tokens", "context tokens held per tier", ["replica", "tier"], registry=r
+        )
+        self.tier_budget = Gauge(
+            "mori_tier_budget_tokens", "token budget of the tier", ["replica", "tier"], registry=r
+        )
+        self.idleness = Histogram(
+            "mori_program_idleness",
+            "idleness of live programs, observed each tick",
+            buckets=FRACTION_BUCKETS,
+            registry=r,
+        )
+        self.moves = Counter(
+            "mori_moves",
+            "tier moves by kind and reason",
+            ["src_tier", "dst_tier", "reason"],
+            registry=r,
+        )
+        self.gate_wait = Histogram(
+            "mori_gate_wait_seconds",
+            "time a request was held by the gate",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.gate_waiting = Gauge("mori_gate_waiting", "requests held by the gate now", registry=r)
+        self.gate_timeouts = Counter(
+            "mori_gate_timeouts", "gated requests answered 503", registry=r
+        )
+        self.ttft = Histogram(
+            "mori_ttft_seconds",
+            "arrival at the router to first token",
+            ["replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "mori_request_latency_seconds",
+            "arrival to last byte",
+            ["replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "mori_requests", "requests by outcome", ["replica", "outcome"], registry=r
+        )
+        self.output_tokens = Counter(
+            "mori_output_tokens", "completion tokens served", ["replica"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "mori_prompt_tokens", "prompt tokens served", ["replica"], registry=r
+        )
+        self.hint_pushes = Counter(
+            "mori_hint_pushes", "hint batches pushed", ["replica", "result"], registry=r
+        )
+        self.hint_unsupported = Counter(
+            "mori_hint_unsupported",
+            "pushes to a replica without /mori/hints",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_healthy = Gauge(
+            "mori_replica_healthy", "1 healthy, 0 drained", ["replica"], registry=r
+        )
+        self.tick_seconds = Histogram(
+            "mori_tick_seconds",
+            "time spent in one policy tick",
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1),
+            registry=r,
+        )
+
+    def record_moves(self, moves: list[Move]) -> None:
+        for m in moves:
+            self.moves.labels(m.src.tier.value, m.dst.tier.value, m.reason.value).inc()
+
+    def refresh_tiers(self, policy: Policy, now: float) -> None:
+        """Set the per-tier gauges from the policy's bookkeeping (called on every tick)."""
+        tiers = policy.tiers
+        for replica in tiers.capacity:
+            for tier in (Tier.GPU, Tier.CPU):
+                place = Placement(tier, replica)
+                self.programs.labels(replica, tier.value).set(tiers.count(place))
+                self.tier_tokens.labels(replica, tier.value).set(tiers.used(place))
+                self.tier_budget.labels(replica, tier.value).set(tiers.budget(place))
+            self.replica_healthy.labels(replica).set(1 if tiers.healthy[replica] else 0)
+        waiting = Placement(Tier.WAITING)
+        self.programs.labels("-", Tier.WAITING.value).set(tiers.count(waiting))
+        self.tier_tokens.labels("-", Tier.WAITING.value).set(
+            sum(p.context_tokens for p in tiers.members(waiting))
+        )
+        for p in policy.programs.values():
+            self.idleness.observe(p.idleness(now))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

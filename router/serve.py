@@ -1,0 +1,61 @@
+"""`mori serve`: the program-aware router in front of SGLang replicas.
+
+Settings come from defaults < `--config FILE` < MORI_<FIELD> env vars < flags, so
+`mori serve --replicas http://127.0.0.1:30001,http://127.0.0.1:30002` needs no file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from router.config import ConfigError, load_config
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML settings (see configs/router.yaml)")
+    parser.add_argument("--replicas", metavar="URL[,URL...]", help="engine replica base URLs")
+    parser.add_argument("--host", help="listen address (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, help="listen port (default 8000)")
+    parser.add_argument("--policy", help="placement policy: mori, mori+predict, ta, ta+o, smg")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {
+        "replicas": args.replicas,
+        "host": args.host,
+        "port": args.port,
+        "policy": args.policy,
+        "log_level": args.log_level,
+    }
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"mori serve: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from router.api import create_app
+    from router.policy import policy_names
+
+    if config.policy not in policy_names():
+        print(
+            f"mori serve: unknown policy {config.policy!r}; known: {', '.join(policy_names())}",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
