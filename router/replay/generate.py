@@ -184,7 +184,8 @@ class _ProgramBuilder:
             elapsed += gap
             if tool is not None:
                 prompt, reused = self._next_prompt(role, prompt, output, tool)
-        program = TraceProgram(pid, tuple(steps), parent, round(start_s, 3), role_name)
+        start_s = round(start_s, 3)
+        program = TraceProgram(pid, tuple(steps), parent, start_s, role_name, role.anchor_tokens)
         return [program, *children]
 
     def _round_gap(self, gap: float, long_call: bool) -> float:

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         return {"generate": _generate, "validate": _validate, "stats": _stats}[args.action](args)
     # TraceError and pydantic's ValidationError are ValueErrors: bad input, not a crash.
     except (OSError, ValueError, yaml.YAMLError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         return 1
 
 
