@@ -1,0 +1,177 @@
+"""Hardware x model presets for the replica cost model (router.sim.model).
+
+A preset turns public spec-sheet numbers into the handful of coefficients the cost model
+needs: KV bytes per token, the GPU KV budget in tokens, prefill FLOPs per token, decode
+bytes read per iteration, and PCIe bandwidth. Every number carries its source or its
+derivation so a reader can check (or change) it; efficiencies are estimates, marked so.
+
+Derivations:
+  kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes
+  gpu_kv_tokens      = (HBM x mem_fraction_static - weights) / kv_bytes_per_token
+  prefill_s(n, p)    = (2 x active_params x n + 4 x layers x q_dim x n x (p + n/2))
+                       / (peak_flops x mfu)      # linear layers + causal attention
+  decode_step_s      = max(weights read / (hbm_bw x bw_eff), batch x 2 x active_params
+                       / (peak_flops x mfu)) + KV read / (hbm_bw x bw_eff)
+                       + step overhead + batch x per-request overhead
+  load_s(n)          = n x kv_bytes_per_token / pcie_bytes_s
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class GPU:
+    """One accelerator; capacities and peaks from the vendor data sheet."""
+
+    name: str
+    hbm_bytes: float  # usable HBM as nvidia-smi reports it
+    hbm_bytes_s: float  # peak HBM bandwidth
+    bf16_flops: float  # dense (non-sparse) BF16 tensor-core peak
+    pcie_bytes_s: float  # achieved host<->device copy bandwidth per GPU (pinned memory)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Transformer shape from the model's config.json on Hugging Face."""
+
+    name: str
+    total_params: float  # all weights (read every decode step for dense models)
+    active_params: float  # weights used per token (MoE: shared + routed top-k experts)
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2  # BF16 weights and KV cache (SGLang default kv_cache_dtype=auto)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.total_params * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A replica: `tp` GPUs of one kind serving one model with tensor parallelism."""
+
+    name: str
+    gpu: GPU
+    model: ModelSpec
+    tp: int = 1
+    # SGLang sizes its static pool (weights + KV) as this share of HBM; it picks ~0.85-0.9
+    # on 80-180 GB GPUs (server_args.py, auto mem_fraction_static). The rest is activations,
+    # CUDA graphs and the allocator's slack.
+    mem_fraction_static: float = 0.88
+    mfu: float = 0.5  # estimate: prefill at 40-60% of BF16 peak in SGLang long-prompt benchmarks
+    bw_eff: float = 0.7  # estimate: decode kernels reach ~70% of peak HBM bandwidth
+    tp_eff: float = 1.0  # estimate: share of TP scaling left after all-reduce traffic
+    step_overhead_s: float = 0.002  # estimate: per-iteration scheduling + CUDA-graph launch
+    seq_overhead_s: float = 5e-5  # estimate: per running request (sampling, logits, bookkeeping)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per replica: KV heads are sharded across TP ranks, the total is the same."""
+        return self.model.kv_bytes_per_token
+
+    @property
+    def gpu_kv_tokens(self) -> int:
+        hbm = self.gpu.hbm_bytes * self.tp * self.mem_fraction_static
+        return int((hbm - self.model.weight_bytes) / self.kv_bytes_per_token)
+
+    @property
+    def flops_s(self) -> float:
+        return self.gpu.bf16_flops * self.tp * self.mfu * self.tp_eff
+
+    @property
+    def bytes_s(self) -> float:
+        return self.gpu.hbm_bytes_s * self.tp * self.bw_eff * self.tp_eff
+
+    @property
+    def pcie_bytes_s(self) -> float:
+        """Each TP rank copies its own KV shard over its own link, in parallel."""
+        return self.gpu.pcie_bytes_s * self.tp
+
+    def host_kv_tokens(self, cpu_ratio: float) -> int:
+        """MORI's CPU-to-GPU memory ratio: host DRAM budget for KV = ratio x GPU KV budget."""
+        return int(cpu_ratio * self.gpu_kv_tokens)
+
+
+# PCIe Gen5 x16 is 64 GB/s per direction on paper; pinned-memory cudaMemcpy reaches
+# ~50 GB/s (nvbandwidth host_to_device on H100 SXM hosts), which HiCache's kernels approach.
+_PCIE5_BYTES_S = 50e9
+
+H100_80GB = GPU(
+    name="H100-SXM-80GB",
+    hbm_bytes=81559 * MIB,  # nvidia-smi "81559MiB" on H100 SXM5 80GB
+    hbm_bytes_s=3.35e12,  # H100 SXM data sheet: 3.35 TB/s HBM3
+    bf16_flops=989e12,  # H100 SXM data sheet: 1979 TFLOPS BF16 with sparsity -> 989 dense
+    pcie_bytes_s=_PCIE5_BYTES_S,
+)
+H200 = GPU(
+    name="H200-SXM-141GB",
+    hbm_bytes=143771 * MIB,  # nvidia-smi "143771MiB" on H200 SXM 141GB
+    hbm_bytes_s=4.8e12,  # H200 data sheet: 4.8 TB/s HBM3e
+    bf16_flops=989e12,  # H200 data sheet: same tensor cores as H100 SXM, 989 TFLOPS dense
+    pcie_bytes_s=_PCIE5_BYTES_S,
+)
+B200 = GPU(
+    name="B200-180GB",
+    hbm_bytes=180e9,  # DGX B200: 1,440 GB HBM3e over 8 GPUs = 180 GB each
+    hbm_bytes_s=8e12,  # B200 data sheet: 8 TB/s HBM3e
+    bf16_flops=2.25e15,  # HGX B200: 4.5 PFLOPS BF16 with sparsity -> 2.25 dense
+    pcie_bytes_s=_PCIE5_BYTES_S,  # DGX B200 hosts (Xeon 8570) link at PCIe Gen5
+)
+
+LLAMA_31_8B = ModelSpec(
+    name="Llama-3.1-8B",
+    total_params=8.03e9,  # model card: 8.03B parameters
+    active_params=8.03e9,  # dense
+    layers=32,  # config.json num_hidden_layers
+    q_heads=32,  # num_attention_heads
+    kv_heads=8,  # num_key_value_heads (GQA)
+    head_dim=128,  # hidden_size 4096 / 32 heads
+)  # KV: 2 x 32 x 8 x 128 x 2 B = 131,072 B/token (128 KiB)
+QWEN3_30B_A3B = ModelSpec(
+    name="Qwen3-30B-A3B",
+    total_params=30.5e9,  # model card: 30.5B total
+    active_params=3.3e9,  # model card: 3.3B activated (8 of 128 experts per token)
+    layers=48,  # config.json num_hidden_layers
+    q_heads=32,  # num_attention_heads
+    kv_heads=4,  # num_key_value_heads
+    head_dim=128,  # config.json head_dim
+)  # KV: 2 x 48 x 4 x 128 x 2 B = 98,304 B/token (96 KiB)
+LLAMA_31_70B = ModelSpec(
+    name="Llama-3.1-70B",
+    total_params=70.6e9,  # model card: 70.6B parameters
+    active_params=70.6e9,  # dense
+    layers=80,  # config.json num_hidden_layers
+    q_heads=64,  # num_attention_heads
+    kv_heads=8,  # num_key_value_heads (GQA)
+    head_dim=128,  # hidden_size 8192 / 64 heads
+)  # KV: 2 x 80 x 8 x 128 x 2 B = 327,680 B/token (320 KiB)
+
+PRESETS: dict[str, Preset] = {
+    # MORI Table 1 row 1 ("H200 (80 GB)" emulating H100 + a 7B/8B dense model).
+    # KV budget: 79.6 GiB x 0.88 - 16.1 GB = 59.2 GB -> ~451k tokens.
+    "h100-8b": Preset("h100-8b", H100_80GB, LLAMA_31_8B),
+    # MORI Table 1 row 2 (H200 + 30B MoE). KV: 140.4 GiB x 0.88 - 61 GB -> ~728k tokens.
+    "h200-30b-moe": Preset("h200-30b-moe", H200, QWEN3_30B_A3B),
+    # MORI Table 1 row 3 (B200 + 70B, TP=2). KV: 2 x 180 GB x 0.88 - 141 GB -> ~536k tokens.
+    # tp_eff 0.85: estimate for NVLink all-reduce cost per layer at TP=2.
+    "b200-70b-tp2": Preset("b200-70b-tp2", B200, LLAMA_31_70B, tp=2, tp_eff=0.85),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """Look a preset up by name; a clear error lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

@@ -1,0 +1,182 @@
+"""The replica cost model: eviction orders, load-back vs recompute, batching, queueing, hints."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policy.types import EngineMode, Hint
+from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine
+from router.sim.presets import PRESETS, get_preset
+
+PRESET = get_preset("h100-8b")
+TYPED = EngineMode("typed", True)
+LRU = EngineMode("lru", True)
+
+
+def drain(engine: ReplicaEngine, until: float = float("inf")) -> tuple[list, float]:
+    """Run the engine until it has nothing scheduled (or `until`); events and last time."""
+    events, t = [], 0.0
+    while (nt := engine.next_event_time()) is not None and nt <= until:
+        events += engine.advance(nt)
+        t = nt
+    return events, t
+
+
+def run_step(engine, rid, pid, tokens, now, output=10):
+    engine.submit(rid, pid, tokens, output, now)
+    events, t = drain(engine)
+    first = next(e for e in events if isinstance(e, FirstToken) and e.rid == rid)
+    return first, t
+
+
+def test_presets_derive_kv_bytes_and_budget():
+    assert PRESET.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert 400_000 < PRESET.gpu_kv_tokens < 500_000
+    for preset in PRESETS.values():
+        assert preset.gpu_kv_tokens > 100_000
+        assert preset.host_kv_tokens(2) == 2 * preset.gpu_kv_tokens
+    with pytest.raises(ValueError, match="known: h100-8b"):
+        get_preset("nope")
+
+
+def test_host_load_back_is_cheaper_than_recompute():
+    cost = CostModel(PRESET)
+    assert cost.load_s(50_000) * 5 < cost.prefill_s(50_000, 0)
+    # and the engine shows it: a host hit makes the first token come sooner than a miss
+    host = ReplicaEngine(PRESET, TYPED, 100_000, 100_000)
+    run_step(host, "a", "p", 40_000, 0.0)
+    host.apply_hints({"p": Hint.IDLE}, 10.0)
+    assert host.residency("p") == (0, 40_010)
+    first, _ = run_step(host, "b", "p", 40_100, 10.0)
+    assert (first.cached_device, first.cached_host) == (0, 40_010)
+    miss = ReplicaEngine(PRESET, EngineMode("lru", False), 100_000, 0)
+    first_miss, _ = run_step(miss, "b", "p", 40_100, 10.0)
+    assert first_miss.cached_host == first_miss.cached_device == 0
+    assert (first.t - 10.0) * 5 < first_miss.t - 10.0
+
+
+def test_decode_slows_with_batch_and_context():
+    cost = CostModel(PRESET)
+    assert cost.decode_step_s(64, 200_000) > cost.decode_step_s(8, 200_000)
+    assert cost.decode_step_s(8, 400_000) > cost.decode_step_s(8, 50_000)
+    moe = CostModel(get_preset("h200-30b-moe"))  # more experts touched by a bigger batch
+    assert moe.decode_step_s(32, 0) > moe.decode_step_s(1, 0)
+
+
+def test_batched_decode_takes_longer_per_request_than_alone():
+    alone = ReplicaEngine(PRESET, TYPED, 400_000, 0)
+    events, t_alone = drain_after(alone, [("r0", "p0")])
+    crowd = ReplicaEngine(PRESET, TYPED, 400_000, 0)
+    events, t_crowd = drain_after(crowd, [(f"r{i}", f"p{i}") for i in range(32)])
+    assert sum(isinstance(e, Done) for e in events) == 32
+    assert t_crowd > t_alone
+
+
+def drain_after(engine, reqs):
+    for rid, pid in reqs:
+        engine.submit(rid, pid, 8_000, 200, 0.0)
+    return drain(engine)
+
+
+def test_requests_queue_when_kv_does_not_fit():
+    engine = ReplicaEngine(PRESET, TYPED, 30_000, 0)
+    engine.submit("a", "pa", 20_000, 500, 0.0)
+    engine.submit("b", "pb", 20_000, 500, 0.0)  # cannot fit next to a's reserved context
+    assert engine.usage()["queued"] == 1
+    events, _ = drain(engine)
+    done_a = next(e.t for e in events if isinstance(e, Done) and e.rid == "a")
+    first_b = next(e.t for e in events if isinstance(e, FirstToken) and e.rid == "b")
+    assert first_b > done_a  # b waited inside the engine until a freed its KV
+    assert engine.usage()["queued"] == 0
+
+
+def test_request_larger_than_device_fails_cleanly():
+    engine = ReplicaEngine(PRESET, TYPED, 10_000, 0)
+    engine.submit("big", "p", 20_000, 10, 1.0)
+    assert engine.advance(1.0) == [Done("big", 1.0, ok=False)]
+
+
+def _fill(engine, pids, size=20_000):
+    t = 0.0
+    for i, pid in enumerate(pids):
+        _, t = run_step(engine, f"r{i}", pid, size, t + 1.0)
+    return t
+
+
+def test_lru_evicts_least_recent_first():
+    engine = ReplicaEngine(PRESET, EngineMode("lru", False), 62_000, 0)
+    t = _fill(engine, ["old", "mid", "new"])  # 3 x 20_010 tokens on device
+    run_step(engine, "x", "other", 15_000, t + 1.0)
+    assert engine.residency("old")[0] < 20_010
+    assert engine.residency("mid")[0] == engine.residency("new")[0] == 20_010
+
+
+def test_typed_eviction_order_on_device_and_host():
+    engine = ReplicaEngine(PRESET, TYPED, 62_000, 45_000)
+    t = _fill(engine, ["busy", "idle", "gone"])
+    # hints arrive while everything is still on device; typed ranks ignore recency
+    engine.apply_hints({"busy": Hint.BUSY, "gone": Hint.INACTIVE}, t)
+    run_step(engine, "x", "other", 15_000, t + 1.0)
+    assert engine.residency("gone")[0] < 20_010  # inactive went first on device
+    assert engine.residency("busy")[0] == 20_010
+    engine.apply_hints({"idle": Hint.IDLE}, t + 5)  # idle: device copy dropped, host kept
+    dev, host = engine.residency("idle")
+    assert dev == 0 and host == 20_010
+
+
+@pytest.mark.parametrize("mode", [TYPED, LRU])
+def test_host_evicts_busy_copies_before_idle_only_when_typed(mode):
+    engine = ReplicaEngine(PRESET, mode, 100_000, 41_000)
+    t = _fill(engine, ["idle"])
+    engine.apply_hints({"idle": Hint.IDLE}, t)
+    t = _fill(engine, ["busy"]) + t
+    engine.apply_hints({"busy": Hint.BUSY}, t)
+    run_step(engine, "x", "third", 20_000, t + 1.0)  # its write-through needs host room
+    if mode is TYPED:  # the busy copy is redundant (it is on device): it goes first
+        assert engine.residency("idle") == (0, 20_010)
+        assert engine.residency("busy")[1] < 20_010
+    else:  # LRU drops the older idle program's only copy
+        assert engine.residency("idle")[1] < 20_010
+        assert engine.residency("busy")[1] == 20_010
+
+
+def test_lru_ignores_hints_but_reports_residency():
+    engine = ReplicaEngine(PRESET, LRU, 100_000, 100_000)
+    _fill(engine, ["p"])
+    assert engine.apply_hints({"p": Hint.IDLE}, 100.0) == {"p": (20_010, 20_010)}
+
+
+def test_busy_hint_loads_back_and_counts_as_host_hit():
+    engine = ReplicaEngine(PRESET, TYPED, 100_000, 100_000)
+    t = _fill(engine, ["p"])
+    engine.apply_hints({"p": Hint.IDLE}, t + 1)
+    assert engine.residency("p") == (0, 20_010)
+    engine.apply_hints({"p": Hint.BUSY}, t + 2)
+    assert engine.residency("p") == (20_010, 20_010)
+    first, _ = run_step(engine, "next", "p", 20_100, t + 2.0001)
+    assert (first.cached_device, first.cached_host) == (0, 20_010)
+    assert first.t >= t + 2 + engine.cost.load_s(20_010)  # waited for the copy to land
+
+
+def test_generated_streams_and_abort_frees_the_lock():
+    engine = ReplicaEngine(PRESET, TYPED, 100_000, 0)
+    engine.submit("r", "p", 1_000, 1_000, 0.0)
+    first = next(e for e in drain(engine, until=0.5)[0] if isinstance(e, FirstToken))
+    mid = first.t + 0.3
+    engine.advance(mid)
+    produced = engine.generated("r", mid)
+    assert 1 < produced < 1_000
+    engine.abort("r", mid)
+    events, _ = drain(engine)
+    assert not any(isinstance(e, Done) for e in events)
+    assert engine.usage()["device_active_tokens"] == 0
+    assert 1_000 < engine.residency("p")[0] < 2_000
+
+
+def test_events_are_buffered_across_calls():
+    engine = ReplicaEngine(PRESET, TYPED, 100_000, 0)
+    engine.submit("a", "pa", 1_000, 1, 0.0)
+    engine.submit("b", "pb", 1_000, 1, 100.0)  # runs the engine past a's completion first
+    events = engine.advance(100.0)
+    assert [type(e).__name__ for e in events] == ["FirstToken", "Done"]
+    assert all(e.rid == "a" for e in events)
