@@ -92,9 +92,19 @@ def test_busy_phase_spans_the_steps_around_a_run_of_short_calls():
     assert busy_phases_s(program, 2.0, nominal) == [3 * 2.0 + 1.0, 2 * 2.0 + 1.0]
 
 
-def test_committed_corpus_is_what_the_preset_generates():
-    committed = load_trace(ROOT / "traces" / "generated-claude-code.jsonl")
-    assert committed == list(generate(PRESET, 200, seed=7))
+@pytest.mark.parametrize("preset", ["claude-code", "claude-code-32k"])
+def test_committed_corpus_is_what_the_preset_generates(preset):
+    committed = load_trace(ROOT / "traces" / f"generated-{preset}.jsonl")
+    assert committed == list(generate(load_preset(preset), 200, seed=7))
+
+
+def test_preset_inherits_from_its_base():
+    small = load_preset("claude-code-32k")
+    assert small.max_context_tokens == 32000 and small.main.anchor_tokens == 4000
+    assert small.main.steps == PRESET.main.steps  # merged key by key from the base
+    assert small.busy_tools == PRESET.busy_tools
+    peaks = [max(s.input_tokens for s in p.steps) for p in generate(small, 50, seed=1)]
+    assert max(peaks) <= small.max_context_tokens
 
 
 def test_cli_generate_validate_stats(tmp_path, capsys, monkeypatch):

@@ -91,7 +91,8 @@ class Preset(_Strict):
     output_tokens: Dist
     task_tokens: Dist
     summary_tokens: Dist
-    max_context_tokens: int = Field(gt=0)
+    max_context_tokens: int = Field(gt=0)  # prompts past it compact to prefix + summary
+    max_result_tokens: int = Field(default=8000, gt=0)  # agents truncate long tool output
     main: Role
     subagents: dict[str, Role] = {}
     spawn_tool: str = "Task"
@@ -104,6 +105,8 @@ class Preset(_Strict):
             raise ValueError(f"spawn tool {self.spawn_tool!r} must be an idle (long) tool")
         if self.spawn_tool in self.idle_tools and not self.subagents:
             raise ValueError(f"spawn tool {self.spawn_tool!r} needs at least one subagent role")
+        if self.max_result_tokens * 2 > self.max_context_tokens:
+            raise ValueError("max_result_tokens must be at most half of max_context_tokens")
         timeless = [n for n, t in self.tools.items() if t.duration_s is None]
         if set(timeless) - {self.spawn_tool}:
             raise ValueError(f"tools {timeless} need duration_s (only the spawn tool may omit it)")
@@ -120,13 +123,35 @@ class Preset(_Strict):
 
 def load_preset(name_or_path: str | Path) -> Preset:
     """A preset by name (traces/presets/NAME.yaml) or by path to a YAML file."""
+    return Preset.model_validate(_preset_dict(name_or_path))
+
+
+def _preset_dict(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict:
+    """The preset's YAML with `base: OTHER` resolved: OTHER's settings, overridden by these."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
         raise FileNotFoundError(f"no preset {str(name_or_path)!r} (known: {known or 'none'})")
-    return Preset.model_validate(yaml.safe_load(path.read_text()))
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a preset must be a YAML mapping")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if base in seen:
+        raise ValueError(f"{path}: preset bases loop through {base!r}")
+    return _merge(_preset_dict(base, (*seen, base)), raw)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    """Nested mappings merge key by key; anything else in `override` replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
+    return out
 
 
 class _ProgramBuilder:
@@ -196,6 +221,7 @@ class _ProgramBuilder:
     def _next_prompt(self, role: Role, prompt: int, output: int, tool: Tool) -> tuple[int, int]:
         """Append output + tool result; compact to prefix + summary past the context cap."""
         result = round(tool.result_tokens.sample(self.rng, lo=1))
+        result = min(result, self.preset.max_result_tokens)  # truncated, as agents do
         if prompt + output + result <= self.preset.max_context_tokens:
             return prompt + output + result, prompt + output
         summary = round(self.preset.summary_tokens.sample(self.rng, lo=1))
