@@ -70,6 +70,7 @@ class Policy(ABC):
         self.tiers = Tiers()
         self.programs: dict[str, Program] = {}
         self._pending_hints: dict[str, dict[str, Hint]] = defaultdict(dict)
+        self._held: dict[str, Program] = {}  # requests at the gate, in arrival order
 
     @property
     def engine_mode(self) -> EngineMode:
@@ -112,6 +113,8 @@ class Policy(ABC):
         p.arrive(now)
         if context_tokens is not None:
             self.tiers.resize(p, int(context_tokens))
+        self._held.pop(program_id, None)  # re-queue at the back: arrival order is FIFO order
+        self._held[program_id] = p
         return self._admit(p, now)
 
     def route(self, program_id: str) -> str | None:
@@ -151,6 +154,7 @@ class Policy(ABC):
         p = self.programs.pop(program_id, None)
         if p is None:
             return []
+        self._held.pop(program_id, None)
         move = self._move(p, WAITING, reason, now) if p.placement.tier is not Tier.WAITING else None
         if move is None and p.last_replica is not None:
             self._pending_hints[p.last_replica][program_id] = Hint.INACTIVE
@@ -233,6 +237,17 @@ class Policy(ABC):
 
     def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
         return dst if self.tiers.fits(dst, p.context_tokens) else WAITING
+
+    def _held_programs(self) -> list[Program]:
+        """Programs whose request waits at the gate, oldest arrival first.
+
+        The index is cleaned lazily (released, cancelled and ended entries drop out
+        here), so no event path has to remember to unregister a program.
+        """
+        held = [p for p in self._held.values() if p.pending]
+        if len(held) != len(self._held):
+            self._held = {p.program_id: p for p in held}
+        return held
 
     @staticmethod
     def _release(p: Program, now: float) -> None:

@@ -1,0 +1,306 @@
+"""MORI's placement policy (MORI 4.3.1): idleness-ranked tiers with sticky moves.
+
+Per replica r a GPU(r) and a CPU(r) tier, one global WAITING tier. Every rule here is
+a rule of the paper; the choices the paper leaves open are explained in docs/policy.md.
+
+* Demotion (tick, or a GPU tier over budget after a step): ACTING victims before
+  REASONING ones, most idle first. A REASONING victim is only marked and moves after its
+  step (`Program.demote_after_step`), but its tokens count as freed at once, so one
+  overflow marks exactly the victims it needs. Victims go to CPU(r) if it fits, else
+  WAITING.
+* CPU overflow: the most idle CPU programs fall to WAITING.
+* Promotion into free room, by class: (1) CPU programs with a request (they keep their
+  replica), (2) returning WAITING programs with a request, (3) new programs, smallest
+  first; least idle first within a class. WAITING promotions are packed by size
+  decreasing onto the program's last replica when it fits, else the replica with the
+  most room.
+* Stickiness: nothing moves without a capacity violation, or a phase mismatch: a
+  class-1/2 request that does not fit may displace ACTING GPU programs of its target
+  replica that are more idle than it by at least `hysteresis`.
+* Immediate admission: an arrival runs the same promotion pass (without displacement),
+  so a request that fits never waits for a tick, and never jumps a higher class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from router.policy.base import Policy, PolicyConfig
+from router.policy.program import Program
+from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
+
+Idleness = Callable[[Program], float]
+
+
+def _memo_idleness(now: float) -> Idleness:
+    """Idleness at `now`, computed once per program per pass (a pass ranks many times)."""
+    cache: dict[str, float] = {}
+
+    def idleness(p: Program) -> float:
+        value = cache.get(p.program_id)
+        if value is None:
+            value = cache[p.program_id] = p.idleness(now)
+        return value
+
+    return idleness
+
+
+class MoriPolicy(Policy):
+    """Idleness-driven GPU/CPU/WAITING tiering (the product's default policy)."""
+
+    name = "mori"
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self._marked: dict[str, dict[str, Program]] = {}  # replica -> lazily demoted programs
+
+    # events ---------------------------------------------------------------------------
+    def _admit(self, p: Program, now: float) -> list[Move]:
+        if p.placement.tier is Tier.GPU:
+            self._release(p, now)
+            return []
+        return [
+            replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
+            for m in self._promote(now)
+        ]
+
+    def _after_response(self, p: Program, now: float) -> list[Move]:
+        """A step ended: its context may have grown past the budget, and a lazy demotion
+        may have freed room that waiting requests can use right away."""
+        moves = self._demote(p.placement.replica, now) if p.placement.tier is Tier.GPU else []
+        return moves + self._promote(now)
+
+    def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
+        """An ended program's room goes to the gate at once, not at the next tick."""
+        moves = super().end(program_id, now, reason)
+        return moves + self._promote(now) if moves else moves
+
+    def _rebalance(self, now: float) -> list[Move]:
+        moves: list[Move] = []
+        for r in self.tiers.replicas():
+            moves += self._demote(r, now)
+            moves += self._cpu_overflow(r, now)
+        return moves + self._promote(now, displace=True)
+
+    # demotion -------------------------------------------------------------------------
+    def _demote(self, replica: str | None, now: float) -> list[Move]:
+        """Bring GPU(replica) back within budget, counting lazily demoted tokens as freed.
+
+        Marks are recomputed from scratch each time: a mark that is no longer needed
+        (room came back before the step ended) is dropped, which is the sticky choice.
+        """
+        if replica is None:
+            return []
+        gpu = Placement(Tier.GPU, replica)
+        excess = self.tiers.used(gpu) - self.tiers.budget(gpu)
+        marked = self._clear_marks(replica)
+        if excess <= 0:
+            return []
+        idleness = _memo_idleness(now)
+        members = list(self.tiers.members(gpu))
+        acting = sorted(
+            (p for p in members if p.status is Status.ACTING), key=idleness, reverse=True
+        )
+        cpu = Placement(Tier.CPU, replica)
+        moves = []
+        for p in acting:
+            if excess <= 0:
+                break
+            excess -= p.context_tokens
+            moves.append(self._move(p, self._fit_or_waiting(cpu, p), MoveReason.DEMOTE, now))
+        reasoning = sorted(
+            (p for p in members if p.status is Status.REASONING), key=idleness, reverse=True
+        )
+        for p in reasoning:
+            if excess <= 0:
+                break
+            excess -= p.context_tokens
+            p.demote_after_step = cpu
+            marked[p.program_id] = p
+        return moves
+
+    def _clear_marks(self, replica: str) -> dict[str, Program]:
+        marked = self._marked.setdefault(replica, {})
+        for p in marked.values():
+            p.demote_after_step = None
+        marked.clear()
+        return marked
+
+    def pending_lazy_tokens(self, replica: str) -> int:
+        """Tokens on GPU(replica) marked to leave after their step (already counted freed)."""
+        gpu = Placement(Tier.GPU, replica)
+        return sum(
+            p.context_tokens
+            for p in self._marked.get(replica, {}).values()
+            if p.demote_after_step is not None and p.placement == gpu
+        )
+
+    def _cpu_overflow(self, replica: str, now: float) -> list[Move]:
+        """CPU(replica) over budget (capacity shrank): most idle programs go to WAITING."""
+        cpu = Placement(Tier.CPU, replica)
+        excess = self.tiers.used(cpu) - self.tiers.budget(cpu)
+        if excess <= 0:
+            return []
+        moves = []
+        for p in sorted(self.tiers.members(cpu), key=_memo_idleness(now), reverse=True):
+            if excess <= 0:
+                break
+            excess -= p.context_tokens
+            moves.append(self._move(p, WAITING, MoveReason.CPU_OVERFLOW, now))
+        return moves
+
+    # promotion ------------------------------------------------------------------------
+    def _promote(self, now: float, displace: bool = False) -> list[Move]:
+        """Promote held requests into free GPU room, class by class (MORI 4.3.1).
+
+        `displace` (tick only) lets a class-1/2 request that does not fit swap out clearly
+        more idle ACTING programs; arrivals and responses never move anyone else.
+        """
+        held = self._held_programs()
+        replicas = self.tiers.replicas()
+        if not held or not replicas:
+            return []
+        free = {r: self.tiers.free(Placement(Tier.GPU, r)) for r in replicas}
+        if not displace:  # fast path: only candidates that fit somewhere are ranked
+            widest = max(free.values())
+            held = [p for p in held if p.context_tokens <= self._room(p, free, widest)]
+            if not held:
+                return []
+        idleness = _memo_idleness(now)
+        on_cpu, returning, new = [], [], []
+        for p in held:
+            if p.placement.tier is Tier.CPU:
+                if p.placement.replica in free:
+                    on_cpu.append(p)
+            elif p.steps > 0:
+                returning.append(p)
+            else:
+                new.append(p)
+        on_cpu.sort(key=idleness)
+        returning.sort(key=idleness)
+        new.sort(key=lambda p: (p.context_tokens, idleness(p)))
+        victims = _VictimPool(self, idleness, self.config.hysteresis)
+
+        moves = []
+        for p in on_cpu:
+            r = p.placement.replica
+            if p.context_tokens <= free[r]:
+                free[r] -= p.context_tokens
+                moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
+            elif displace:
+                moves += self._displace(p, r, free, victims, MoveReason.PROMOTE_CPU, now)
+        unplaced = self._pack_waiting(returning + new, free, now, moves)
+        if displace:
+            for p in unplaced:
+                if p.steps > 0:
+                    for r in self._displace_order(p, free):
+                        swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
+                        if swap:
+                            moves += swap
+                            break
+        return moves
+
+    def _room(self, p: Program, free: dict[str, int], widest: int) -> int:
+        """The most room any tier `p` may be promoted to has (CPU programs keep replica)."""
+        if p.placement.tier is Tier.CPU:
+            return free.get(p.placement.replica, -1)  # type: ignore[arg-type]
+        return widest
+
+    def _pack_waiting(
+        self, ranked: list[Program], free: dict[str, int], now: float, moves: list[Move]
+    ) -> list[Program]:
+        """Best-Fit-Decreasing of WAITING requests; returns those left unplaced (ranked).
+
+        Selection follows priority (`ranked`): a prefix-like pick of what fits in the total
+        free room. The picked set is then placed largest first; a backfill pass in priority
+        order places whatever fragmentation left out, so after a pass no held request
+        that fits anywhere is left behind.
+        """
+        total = sum(max(0, f) for f in free.values())
+        picked = []
+        for p in ranked:
+            if p.context_tokens <= total:
+                total -= p.context_tokens
+                picked.append(p)
+        placed: set[str] = set()
+        for p in sorted(picked, key=lambda p: p.context_tokens, reverse=True):
+            if self._place_waiting(p, free, now, moves):
+                placed.add(p.program_id)
+        left = []
+        for p in ranked:
+            if p.program_id not in placed and not self._place_waiting(p, free, now, moves):
+                left.append(p)
+        return left
+
+    def _place_waiting(
+        self, p: Program, free: dict[str, int], now: float, moves: list[Move]
+    ) -> bool:
+        """Last replica if it fits (its host tier may still hold the KV), else most room."""
+        r = p.last_replica
+        if r not in free or p.context_tokens > free[r]:
+            r = max(free, key=free.__getitem__)
+            if p.context_tokens > free[r]:
+                return False
+        free[r] -= p.context_tokens
+        reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
+        moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
+        return True
+
+    def _displace_order(self, p: Program, free: dict[str, int]) -> list[str]:
+        """Replicas to try a swap on: the program's last replica first, then most room."""
+        order = sorted(free, key=free.__getitem__, reverse=True)
+        if p.last_replica in free:
+            order.remove(p.last_replica)
+            order.insert(0, p.last_replica)
+        return order
+
+    def _displace(
+        self,
+        p: Program,
+        replica: str,
+        free: dict[str, int],
+        victims: _VictimPool,
+        reason: MoveReason,
+        now: float,
+    ) -> list[Move]:
+        """Phase mismatch: swap `p` in for clearly more idle ACTING programs, or do nothing."""
+        chosen = victims.take(replica, p, p.context_tokens - free[replica])
+        if not chosen:
+            return []
+        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
+        cpu = Placement(Tier.CPU, replica)
+        for v in chosen:  # after p left CPU(replica), so its room is usable by victims
+            moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
+        free[replica] += sum(v.context_tokens for v in chosen) - p.context_tokens
+        return moves
+
+
+class _VictimPool:
+    """ACTING GPU programs per replica, most idle first, built on first use in a pass."""
+
+    def __init__(self, policy: MoriPolicy, idleness: Idleness, hysteresis: float) -> None:
+        self._policy = policy
+        self._idleness = idleness
+        self._hysteresis = hysteresis
+        self._by_replica: dict[str, list[Program]] = {}
+
+    def take(self, replica: str, p: Program, needed: int) -> list[Program]:
+        """Victims freeing `needed` tokens, each >= hysteresis more idle than `p`; [] if
+        they cannot free enough (a partial swap would be churn for nothing)."""
+        pool = self._by_replica.get(replica)
+        if pool is None:
+            gpu = Placement(Tier.GPU, replica)
+            acting = (q for q in self._policy.tiers.members(gpu) if q.status is Status.ACTING)
+            pool = self._by_replica[replica] = sorted(acting, key=self._idleness, reverse=True)
+        threshold = self._idleness(p) + self._hysteresis
+        chosen, freed = [], 0
+        for q in pool:
+            if freed >= needed or self._idleness(q) < threshold:
+                break
+            chosen.append(q)
+            freed += q.context_tokens
+        if freed < needed:
+            return []
+        del pool[: len(chosen)]
+        return chosen
