@@ -1,0 +1,204 @@
+"""Prompt text for replaying token-count traces, and the token counting it is built for.
+
+A trace only records token counts, but a serving system caches *text* (token ids) by
+prefix. So replay synthesises a conversation per program whose rendered prompt has about
+`input_tokens` tokens and whose first `reused_tokens` tokens repeat the previous call's
+prompt and answer, exactly like an agent that appends the tool result to its history.
+
+Token counting convention (shared with the emulator, `mori emulate`): a chat request is
+rendered as `<role>content\\n` per message (tools, when given, first as their JSON) and
+every started group of `CHARS_PER_TOKEN` characters is one token. Against a real SGLang
+the counts are approximate (its tokenizer decides), but the prefix structure is the same,
+so its radix cache sees the reuse the trace describes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+# 3-letter words + a space: one token each under CHARS_PER_TOKEN, so text is easy to size.
+WORDS = [
+    "the",
+    "and",
+    "for",
+    "run",
+    "fix",
+    "add",
+    "log",
+    "map",
+    "key",
+    "set",
+    "get",
+    "put",
+    "new",
+    "old",
+    "top",
+    "end",
+    "use",
+    "try",
+    "let",
+    "var",
+    "def",
+    "API",
+    "src",
+    "lib",
+    "doc",
+    "bin",
+    "dir",
+    "cfg",
+    "env",
+    "tmp",
+    "out",
+    "err",
+    "arg",
+    "cmd",
+    "git",
+    "pip",
+    "npm",
+    "web",
+    "row",
+    "col",
+    "sum",
+]
+# Prefix cuts this close to the full history keep it whole (traces round reuse to pages).
+KEEP_HISTORY_SLACK_TOKENS = 256
+
+Message = dict[str, Any]
+
+
+def count_tokens(text: str) -> int:
+    """Tokens of `text`: every started group of CHARS_PER_TOKEN characters."""
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def content_text(content: Any) -> str:
+    """The text of an OpenAI message `content`: a string, text parts, or nothing."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+        )
+    raise ValueError("content must be a string, a list of content parts or null")
+
+
+def render_message(message: Message) -> str:
+    text = content_text(message.get("content"))
+    if message.get("tool_calls"):
+        text += json.dumps(message["tool_calls"], sort_keys=True, separators=(",", ":"))
+    return f"<{message.get('role', '')}>{text}\n"
+
+
+def render_chat(messages: Sequence[Message], tools: Sequence[Any] | None = None) -> str:
+    """The prompt text a chat request stands for (what the emulator counts and caches)."""
+    head = json.dumps(list(tools), sort_keys=True, separators=(",", ":")) + "\n" if tools else ""
+    return head + "".join(render_message(m) for m in messages)
+
+
+def common_prefix_tokens(a: str, b: str) -> int:
+    """Whole tokens two texts share from their start."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; binary search keeps it in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo // CHARS_PER_TOKEN
+
+
+def filler(rng: random.Random, chars: int) -> str:
+    """`chars` characters of word salad (deterministic for a seeded rng)."""
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        words.append(rng.choice(WORDS) + " ")
+        size += CHARS_PER_TOKEN
+    return "".join(words)[: max(0, chars)]
+
+
+def output_text(seed: str, tokens: int) -> str:
+    """`tokens` tokens of deterministic answer text for `seed` (used by the emulator)."""
+    start = int(hashlib.blake2b(seed.encode(), digest_size=4).hexdigest(), 16)
+    return "".join(WORDS[(start + 7 * i) % len(WORDS)] + " " for i in range(tokens))
+
+
+def _seed(*parts: object) -> int:
+    return int(hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest(), 16)
+
+
+def _message_with_tokens(role: str, tokens: int, rng: random.Random) -> Message:
+    """A message rendering to exactly `tokens` tokens (at least its own markup)."""
+    overhead = len(render_message({"role": role, "content": ""}))
+    return {"role": role, "content": filler(rng, tokens * CHARS_PER_TOKEN - overhead)}
+
+
+def _cut(messages: list[Message], tokens: int) -> list[Message]:
+    """The messages whose rendering is (about) the first `tokens` tokens of the history."""
+    budget = tokens * CHARS_PER_TOKEN
+    kept: list[Message] = []
+    for m in messages:
+        size = len(render_message(m))
+        if size <= budget:
+            kept.append(m)
+            budget -= size
+            continue
+        text = content_text(m.get("content"))
+        markup = size - len(text)
+        if budget > markup:
+            kept.append({"role": m["role"], "content": text[: budget - markup]})
+        break
+    return kept
+
+
+@dataclass
+class Conversation:
+    """The growing chat of one replayed program.
+
+    `next_messages(...)` gives the request for the next step; `record_answer(text)` appends
+    what the server answered, so the next prompt repeats it as the agent would.
+    """
+
+    program_id: str
+    agent: str | None = None
+    anchor_tokens: int = 0
+    seed: int = 0
+    messages: list[Message] = field(default_factory=list)
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(_seed(self.seed, self.program_id))
+
+    def next_messages(self, input_tokens: int, reused_tokens: int) -> list[Message]:
+        """Messages of about `input_tokens` tokens sharing `reused_tokens` with the history."""
+        if not self.messages:
+            self.messages = self._first(input_tokens)
+            return list(self.messages)
+        history = count_tokens(render_chat(self.messages))
+        if reused_tokens < history - KEEP_HISTORY_SLACK_TOKENS:
+            self.messages = _cut(self.messages, reused_tokens)  # the agent compacted
+            history = count_tokens(render_chat(self.messages))
+        self.messages.append(
+            _message_with_tokens("user", max(input_tokens - history, 0), self._rng)
+        )
+        return list(self.messages)
+
+    def record_answer(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+
+    def _first(self, input_tokens: int) -> list[Message]:
+        anchor = min(self.anchor_tokens, input_tokens)
+        if anchor <= 0:
+            return [_message_with_tokens("user", input_tokens, self._rng)]
+        # The agent role's shared prefix: the same text in every program of that role.
+        role_rng = random.Random(_seed(self.seed, "anchor", self.agent))
+        system = _message_with_tokens("system", anchor, role_rng)
+        return [system, _message_with_tokens("user", input_tokens - anchor, self._rng)]

@@ -1,0 +1,631 @@
+"""`mori emulate`: one emulated SGLang replica over HTTP, timed by the replica cost model.
+
+The router, the replay clients and the demo need something that answers like SGLang on a
+machine without a GPU. This is the imperative shell around `router.sim.model.ReplicaEngine`
+(pure, virtual clock): it maps wall time to the engine's clock (scaled by --time-scale),
+drives `advance()` at `next_event_time()` from one asyncio task, and turns the engine's
+events into OpenAI answers (streamed or not) with SGLang's usage fields.
+
+What is emulated: POST /v1/chat/completions and /v1/completions, GET /get_server_info,
+POST /abort_request, GET /health, GET /v1/models, and the MORI hint protocol
+(POST /mori/hints, GET /mori/residency; docs/hint-protocol.md). Prompt tokens are counted
+with the convention of `router.replay.prompts` (4 characters per token), so a prompt that
+repeats the program's previous call is recognised as a cached prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.errors import ApiError
+from router.policy.types import EngineMode, Hint
+from router.replay import prompts
+from router.sim import model as cost_model
+from router.sim.presets import PRESETS, get_preset
+
+log = logging.getLogger("mori.emulate")
+
+DEFAULT_PRESET = "h100-8b"
+STREAM_TICK_S = 0.05  # wall seconds between token chunks while a stream is decoding
+HINT_VALUES = tuple(h.value for h in Hint)
+PROGRAM_MEMORY = 4096  # programs whose last context text is kept for prefix matching
+
+
+# --- request parsing ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """What one inference request asks of the engine, already validated."""
+
+    rid: str
+    program_id: str
+    chat: bool
+    stream: bool
+    include_usage: bool
+    prompt_text: str
+    input_tokens: int
+    output_tokens: int
+    model: str
+    tool_call: dict | None  # {"name", "arguments"} when the answer is a tool call
+    finish_reason: str  # "length" when max_tokens cut the answer, else "stop"
+
+
+def _need(cond: bool, message: str, param: str | None = None) -> None:
+    if not cond:
+        raise ApiError(400, message, param=param)
+
+
+def _int_param(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    _need(
+        isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer", name
+    )
+    _need(value >= 1, f"{name} must be >= 1", name)
+    return value
+
+
+def _prompt_of(body: dict, chat: bool) -> str:
+    if chat:
+        messages = body.get("messages")
+        _need(
+            isinstance(messages, list) and messages, "messages must be a non-empty list", "messages"
+        )
+        for i, m in enumerate(messages):
+            _need(isinstance(m, dict), f"messages[{i}] must be an object", "messages")
+            _need(isinstance(m.get("role"), str), f"messages[{i}].role is required", "messages")
+        tools = body.get("tools")
+        _need(tools is None or isinstance(tools, list), "tools must be a list", "tools")
+        try:
+            return prompts.render_chat(messages, tools)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        # Token ids: one token each; render them so repeats share a prefix.
+        return "".join(f"{t % 10000:04d}" for t in prompt)
+    _need(isinstance(prompt, str) and prompt != "", "prompt must be a non-empty string", "prompt")
+    return prompt
+
+
+def _program_of(body: dict, prompt_text: str) -> str:
+    """The program: SGLang's `session_id`, else `program_id`, else the first message's hash."""
+    for name in ("session_id", "program_id"):
+        value = body.get(name)
+        if value is not None:
+            _need(isinstance(value, str) and value.strip() != "", f"{name} must be a string", name)
+            return value
+    messages = body.get("messages")
+    first = json.dumps(messages[0], sort_keys=True) if messages else prompt_text[:256]
+    return "anon-" + hashlib.blake2b(first.encode(), digest_size=6).hexdigest()
+
+
+def _natural_length(prompt_text: str) -> int:
+    """Tokens a request 'wants' without ignore_eos: 16-64, a hash of the prompt."""
+    return 16 + int(hashlib.blake2b(prompt_text.encode(), digest_size=2).hexdigest(), 16) % 49
+
+
+def _tool_call_of(body: dict) -> dict | None:
+    """A tool call answer when the request forces one (`tool_choice`) or asks via
+    `mori_tool_call` ({"name", "arguments"}); deterministic, for pass-through tests."""
+    tools = body.get("tools") or []
+    asked = body.get("mori_tool_call")
+    if asked is not None:
+        _need(
+            isinstance(asked, dict) and isinstance(asked.get("name"), str),
+            "mori_tool_call must be an object with a name",
+            "mori_tool_call",
+        )
+        return {"name": asked["name"], "arguments": asked.get("arguments", {})}
+    choice = body.get("tool_choice")
+    if not tools or choice in (None, "auto", "none"):
+        return None
+    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        _need(name in names, "tool_choice names a function that is not in tools", "tool_choice")
+    else:
+        _need(
+            choice == "required",
+            "tool_choice must be auto, none, required or a function",
+            "tool_choice",
+        )
+        name = names[0]
+    spec = next(t["function"] for t in tools if t.get("function", {}).get("name") == name)
+    required = (spec.get("parameters") or {}).get("required") or []
+    return {"name": name, "arguments": {p: "x" for p in required}}
+
+
+def parse_job(body: Any, chat: bool, model_name: str) -> Job:
+    """Validate an OpenAI request body (400 on anything the emulator cannot serve)."""
+    _need(isinstance(body, dict), "the request body must be a JSON object")
+    prompt_text = _prompt_of(body, chat)
+    max_tokens = _int_param(body, "max_completion_tokens") or _int_param(body, "max_tokens")
+    ignore_eos = body.get("ignore_eos", False)
+    _need(isinstance(ignore_eos, bool), "ignore_eos must be a boolean", "ignore_eos")
+    _need(not ignore_eos or max_tokens is not None, "ignore_eos needs max_tokens", "max_tokens")
+    natural = _natural_length(prompt_text)
+    output = max_tokens if ignore_eos else min(natural, max_tokens or natural)
+    stream = body.get("stream", False)
+    _need(isinstance(stream, bool), "stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    _need(isinstance(options, dict), "stream_options must be an object", "stream_options")
+    rid = body.get("rid") or f"req-{uuid.uuid4().hex[:16]}"
+    _need(isinstance(rid, str), "rid must be a string", "rid")
+    model = body.get("model") or model_name
+    _need(isinstance(model, str), "model must be a string", "model")
+    return Job(
+        rid=rid,
+        program_id=_program_of(body, prompt_text),
+        chat=chat,
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+        prompt_text=prompt_text,
+        input_tokens=prompts.count_tokens(prompt_text),
+        output_tokens=output,
+        model=model,
+        tool_call=_tool_call_of(body) if chat else None,
+        finish_reason="length" if output == max_tokens else "stop",
+    )
+
+
+# --- the replica: wall clock <-> engine clock -------------------------------------------
+@dataclass
+class Flight:
+    """One request in the engine, as its HTTP handler waits on it."""
+
+    job: Job
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    first_token: bool = False
+    done: bool = False
+    aborted: bool = False
+    cached_device: int = 0
+    cached_host: int = 0
+
+
+class EmulatedReplica:
+    """Owns the ReplicaEngine; every engine call happens on the event loop thread."""
+
+    def __init__(self, engine: cost_model.ReplicaEngine, time_scale: float, info: dict) -> None:
+        self.engine = engine
+        self.time_scale = time_scale
+        self.info = info
+        self.flights: dict[str, Flight] = {}
+        self.epoch = -1
+        # program -> the text its next prompt should start with (last prompt + answer)
+        self.contexts: OrderedDict[str, str] = OrderedDict()
+        self._t0 = time.monotonic()
+        self._wake = asyncio.Event()
+
+    def now(self) -> float:
+        """The engine's clock: wall seconds since start times the time scale."""
+        return (time.monotonic() - self._t0) * self.time_scale
+
+    # driver ---------------------------------------------------------------------------
+    async def drive(self) -> None:
+        """Advance the engine at its next event (or every tick while tokens stream)."""
+        while True:
+            timeout = self._sleep_s()
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self._step()
+
+    def _sleep_s(self) -> float | None:
+        t = self.engine.next_event_time()
+        sleep = None if t is None else max(0.0, (t - self.now()) / self.time_scale)
+        if any(f.first_token and not f.done for f in self.flights.values()):
+            sleep = STREAM_TICK_S if sleep is None else min(sleep, STREAM_TICK_S)
+        return sleep
+
+    def _step(self) -> None:
+        for event in self.engine.advance(self.now()):
+            flight = self.flights.get(event.rid)
+            if flight is None:
+                continue
+            if isinstance(event, cost_model.FirstToken):
+                flight.first_token = True
+                flight.cached_device = event.cached_device
+                flight.cached_host = event.cached_host
+            elif isinstance(event, cost_model.Done):
+                flight.first_token = flight.done = True
+        for flight in self.flights.values():
+            flight.changed.set()
+
+    # requests -------------------------------------------------------------------------
+    def submit(self, job: Job) -> Flight:
+        if job.rid in self.flights:
+            raise ApiError(400, f"a request with rid {job.rid!r} is already running", param="rid")
+        limit = self.info["max_total_num_tokens"]
+        if job.input_tokens + job.output_tokens > limit:
+            raise ApiError(
+                400,
+                f"prompt ({job.input_tokens}) + max_tokens ({job.output_tokens}) tokens exceed "
+                f"the replica's KV capacity ({limit} tokens)",
+                param="messages" if job.chat else "prompt",
+                code="context_length_exceeded",
+            )
+        flight = Flight(job)
+        self.flights[job.rid] = flight
+        previous = self.contexts.pop(job.program_id, "")
+        reused = prompts.common_prefix_tokens(job.prompt_text, previous)
+        self.contexts[job.program_id] = job.prompt_text + _answer_text(job)
+        while len(self.contexts) > PROGRAM_MEMORY:
+            self.contexts.popitem(last=False)
+        self.engine.submit(
+            job.rid, job.program_id, job.input_tokens, job.output_tokens, self.now(), reused
+        )
+        self._wake.set()
+        return flight
+
+    def abort(self, rid: str) -> bool:
+        flight = self.flights.get(rid)
+        if flight is None or flight.done:
+            return False
+        self.engine.abort(rid, self.now())
+        flight.aborted = flight.done = True
+        flight.changed.set()
+        self._wake.set()
+        return True
+
+    def finish(self, flight: Flight) -> None:
+        """Forget a request whose handler is leaving (aborting it if still running)."""
+        if not flight.done:
+            self.abort(flight.job.rid)
+        self.flights.pop(flight.job.rid, None)
+
+    async def wait(self, flight: Flight) -> None:
+        await flight.changed.wait()
+        flight.changed.clear()
+
+    def generated(self, flight: Flight) -> int:
+        if flight.done and not flight.aborted:
+            return flight.job.output_tokens
+        return min(self.engine.generated(flight.job.rid, self.now()), flight.job.output_tokens)
+
+    # hints ----------------------------------------------------------------------------
+    def apply_hints(self, epoch: int, full: bool, hints: dict[str, str]) -> dict:
+        if epoch < self.epoch:
+            return {"epoch": epoch, "stale": True, "residency": {}}
+        self.epoch = epoch
+        typed = {pid: Hint(h) for pid, h in hints.items()}
+        residency = self.engine.apply_hints(typed, self.now(), full)
+        self._wake.set()
+        return {
+            "epoch": epoch,
+            "stale": False,
+            "residency": {
+                p: {"device_tokens": d, "host_tokens": h} for p, (d, h) in residency.items()
+            },
+        }
+
+    def residency(self) -> dict:
+        self._step()  # bring the engine up to now first
+        return {**self.engine.usage(), "programs": self.engine.programs()}
+
+
+def _answer_text(job: Job) -> str:
+    """How the answer appears in the program's next prompt (as the agent appends it)."""
+    text = prompts.output_text(job.rid, job.output_tokens)
+    if not job.chat:
+        return text
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if job.tool_call is not None:
+        message["tool_calls"] = _tool_calls(job)
+    return prompts.render_message(message)
+
+
+# --- OpenAI answers ---------------------------------------------------------------------
+def _usage(flight: Flight, completion_tokens: int) -> dict:
+    job = flight.job
+    cached = flight.cached_device + flight.cached_host
+    return {
+        "prompt_tokens": job.input_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": job.input_tokens + completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": cached,
+            "cached_tokens_details": {"device": flight.cached_device, "host": flight.cached_host},
+        },
+    }
+
+
+def _finish_reason(flight: Flight) -> str:
+    if flight.aborted:
+        return "abort"
+    if flight.job.tool_call is not None:
+        return "tool_calls"
+    return flight.job.finish_reason
+
+
+def _tool_calls(job: Job) -> list[dict]:
+    call = job.tool_call or {}
+    args = call.get("arguments", {})
+    return [
+        {
+            "index": 0,
+            "id": "call_" + hashlib.blake2b(job.rid.encode(), digest_size=6).hexdigest(),
+            "type": "function",
+            "function": {
+                "name": call.get("name"),
+                "arguments": args if isinstance(args, str) else json.dumps(args),
+            },
+        }
+    ]
+
+
+def _base(job: Job, created: int, kind: str) -> dict:
+    return {"id": job.rid, "object": kind, "created": created, "model": job.model}
+
+
+def full_answer(flight: Flight, created: int) -> dict:
+    """The non-streamed answer once the request is done."""
+    job = flight.job
+    n = job.output_tokens if not flight.aborted else 0
+    text = prompts.output_text(job.rid, n)
+    if job.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if job.tool_call is not None:
+            message["tool_calls"] = _tool_calls(job)
+        choice = {"index": 0, "message": message, "finish_reason": _finish_reason(flight)}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": _finish_reason(flight)}
+        kind = "text_completion"
+    return {**_base(job, created, kind), "choices": [choice], "usage": _usage(flight, n)}
+
+
+def _chunk(job: Job, created: int, delta: dict | None, text: str, finish: str | None) -> bytes:
+    if job.chat:
+        choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
+        doc = {**_base(job, created, "chat.completion.chunk"), "choices": [choice]}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        doc = {**_base(job, created, "text_completion"), "choices": [choice]}
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def stream_answer(
+    replica: EmulatedReplica, flight: Flight, created: int
+) -> AsyncIterator[bytes]:
+    """SSE chunks: role, then new tokens as the engine generates them, finish, usage."""
+    job = flight.job
+    text = prompts.output_text(job.rid, job.output_tokens)
+    sent = 0
+    try:
+        while not flight.first_token and not flight.done:
+            await replica.wait(flight)
+        if job.chat:
+            yield _chunk(job, created, {"role": "assistant", "content": ""}, "", None)
+        while True:
+            n = replica.generated(flight)
+            if n > sent:
+                piece = text[sent * prompts.CHARS_PER_TOKEN : n * prompts.CHARS_PER_TOKEN]
+                yield _chunk(job, created, {"content": piece}, piece, None)
+                sent = n
+            if flight.done:
+                break
+            await replica.wait(flight)
+        if job.tool_call is not None and not flight.aborted:
+            yield _chunk(job, created, {"tool_calls": _tool_calls(job)}, "", None)
+        yield _chunk(job, created, {}, "", _finish_reason(flight))
+        if job.include_usage:
+            doc = {
+                **_base(job, created, "chat.completion.chunk" if job.chat else "text_completion")
+            }
+            doc.update(choices=[], usage=_usage(flight, sent))
+            yield b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        replica.finish(flight)
+
+
+# --- the HTTP app -----------------------------------------------------------------------
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(replica: EmulatedReplica) -> FastAPI:
+    """The FastAPI app of one emulated replica (the driver task runs in its lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(replica.drive())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(title="mori emulate", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> Response:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return ApiError(e.status_code, str(e.detail)).response()
+
+    async def infer(request: Request, chat: bool) -> Response:
+        job = parse_job(await _json_body(request), chat, replica.info["model_path"])
+        flight = replica.submit(job)
+        created = int(time.time())
+        if job.stream:
+            return StreamingResponse(
+                stream_answer(replica, flight, created), media_type="text/event-stream"
+            )
+        gone = asyncio.create_task(_until_disconnect(request))
+        try:
+            while not flight.done and not gone.done():
+                waiting = asyncio.create_task(replica.wait(flight))
+                await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+            return JSONResponse(full_answer(flight, created))
+        finally:
+            gone.cancel()
+            replica.finish(flight)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await infer(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await infer(request, chat=False)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        return replica.info
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        name = replica.info["model_path"]
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "mori"}]}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict:
+        body = await _json_body(request)
+        _need(isinstance(body, dict) and isinstance(body.get("rid"), str), "rid is required", "rid")
+        return {"rid": body["rid"], "aborted": replica.abort(body["rid"])}
+
+    @app.post("/mori/hints")
+    async def hints(request: Request) -> dict:
+        body = await _json_body(request)
+        _need(isinstance(body, dict), "a hint batch must be a JSON object")
+        epoch, full, batch = body.get("epoch"), body.get("full", False), body.get("hints")
+        _need(
+            isinstance(epoch, int) and not isinstance(epoch, bool),
+            "epoch must be an integer",
+            "epoch",
+        )
+        _need(isinstance(full, bool), "full must be a boolean", "full")
+        _need(isinstance(batch, dict), "hints must be an object: program id -> type", "hints")
+        for pid, hint in batch.items():
+            _need(hint in HINT_VALUES, f"hint for {pid!r} must be one of {HINT_VALUES}", "hints")
+        return replica.apply_hints(epoch, full, batch)
+
+    @app.get("/mori/residency")
+    async def residency() -> dict:
+        return replica.residency()
+
+    return app
+
+
+# --- CLI --------------------------------------------------------------------------------
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        choices=sorted(PRESETS),
+        help=f"hardware x model cost model (default {DEFAULT_PRESET})",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run the engine clock this many times faster than real time",
+    )
+    parser.add_argument("--gpu-tokens", type=int, help="device KV budget in tokens (preset's)")
+    parser.add_argument(
+        "--host-tokens",
+        type=int,
+        help="host (DRAM) KV budget in tokens (default: --cpu-ratio x GPU)",
+    )
+    parser.add_argument(
+        "--cpu-ratio",
+        type=float,
+        default=2.0,
+        help="host KV budget as a multiple of the GPU budget (default 2)",
+    )
+    parser.add_argument("--no-host-tier", action="store_true", help="no HiCache host tier")
+    parser.add_argument(
+        "--eviction",
+        choices=("lru", "typed"),
+        default="typed",
+        help="lru: plain SGLang HiCache; typed: the MORI patch (hints honoured)",
+    )
+    parser.add_argument("--model-name", default=None, help="model id to report (preset's)")
+    parser.add_argument("--log-level", default="warning")
+
+
+def build_replica(args: argparse.Namespace) -> EmulatedReplica:
+    """The engine and the server info an argparse namespace describes (errors: ValueError)."""
+    preset = get_preset(args.preset)
+    if args.time_scale <= 0:
+        raise ValueError("--time-scale must be > 0")
+    gpu = args.gpu_tokens if args.gpu_tokens is not None else preset.gpu_kv_tokens
+    host = (
+        0
+        if args.no_host_tier
+        else (args.host_tokens if args.host_tokens is not None else int(args.cpu_ratio * gpu))
+    )
+    if gpu <= 0 or host < 0:
+        raise ValueError("--gpu-tokens must be > 0 and --host-tokens >= 0")
+    mode = EngineMode(eviction=args.eviction, host_tier=host > 0)
+    engine = cost_model.ReplicaEngine(preset, mode, gpu, host)
+    info = {
+        "model_path": args.model_name or preset.model.name,
+        "max_total_num_tokens": gpu,
+        "hicache_host_tokens": host,
+        "enable_hierarchical_cache": host > 0,
+        "emulated": True,
+        "preset": preset.name,
+        "eviction": args.eviction,
+        "time_scale": args.time_scale,
+        "mori_hints": True,
+    }
+    return EmulatedReplica(engine, args.time_scale, info)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        replica = build_replica(args)
+    except ValueError as e:
+        print(f"mori emulate: {e}")
+        return 2
+    print(
+        f"mori emulate: {replica.info['preset']} on http://{args.host}:{args.port} "
+        f"(gpu {replica.info['max_total_num_tokens']} tokens, host "
+        f"{replica.info['hicache_host_tokens']}, x{args.time_scale} time)",
+        flush=True,
+    )
+    uvicorn.run(create_app(replica), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
