@@ -81,8 +81,8 @@ def _stats(args: argparse.Namespace) -> int:
         print(json.dumps({name: asdict(s) for name, s in results.items()}, indent=2))
         return 0
     table = Table(
-        title=f"trace statistics (threshold {args.threshold:g} s, nominal step "
-        f"{nominal.ttft_s:g} s + output / {nominal.decode_tok_s:g} tok/s)"
+        title=f"trace stats ({args.threshold:g} s threshold, "
+        f"step = {nominal.ttft_s:g} s + out / {nominal.decode_tok_s:g} tok/s)"
     )
     table.add_column("statistic")
     for name in results:
