@@ -222,12 +222,17 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _reject_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON; engines choke on them."""
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _number(v: Any) -> bool:

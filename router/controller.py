@@ -231,7 +231,8 @@ class Router:
         batches = self.policy.hints() if full else self.policy.hint_updates()
         if full:
             self.policy.hint_updates()  # the full batch supersedes pending deltas
-        self.epoch += 1
+        # Epochs start from the wall clock, so a restarted router is never taken as stale.
+        self.epoch = max(self.epoch + 1, int(time.time() * 1000))
         jobs = [
             self._push(self.replicas[url], hints, full)
             for url, hints in batches.items()

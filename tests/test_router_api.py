@@ -1,0 +1,243 @@
+"""End to end: the OpenAI SDK -> a real `mori serve` -> two real `mori emulate` replicas."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.router_harness import (
+    assert_clean,
+    chat,
+    client,
+    emulators,
+    metric,
+    programs,
+    router,
+)
+
+EMULATOR_ARGS = ("--time-scale", "20")
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "run a shell command",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+def _big(program_id: str) -> dict:
+    return chat(program_id, "word " * 1600)  # ~8000 chars: ~2000 tokens
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    with emulators(2, *EMULATOR_ARGS) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module")
+def base(replicas):
+    with router(replicas) as url:
+        yield url
+
+
+def test_chat_plain_and_streamed(base):
+    c = client(base)
+    answer = c.chat.completions.create(**chat("plain-1"))
+    assert answer.choices[0].message.content
+    assert answer.usage.prompt_tokens > 0 and answer.usage.completion_tokens > 0
+
+    chunks = list(c.chat.completions.create(**chat("plain-1", "next step"), stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert all(ch.usage is None and ch.choices for ch in chunks)  # forced usage not leaked
+
+    asked = list(
+        c.chat.completions.create(
+            **chat("plain-1", "third"), stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert asked[-1].usage is not None and asked[-1].usage.completion_tokens > 0
+
+    view = httpx.get(base + "/v1/programs/plain-1").json()
+    assert view["steps"] == 3 and view["status"] == "acting" and view["tier"] == "gpu"
+    # context tokens come from the engine's usage, not from the estimate
+    assert (
+        view["context_tokens"] == asked[-1].usage.prompt_tokens + asked[-1].usage.completion_tokens
+    )
+    assert len(view["recent_cycles"]) == 2
+
+
+def test_completions_and_models(base):
+    c = client(base)
+    text = c.completions.create(
+        model="default", prompt="def f():", max_tokens=4, extra_body={"program_id": "cmp-1"}
+    )
+    assert text.choices[0].text and text.usage.completion_tokens > 0
+    assert c.models.list().data
+
+
+def test_program_id_from_header_and_fingerprint(base):
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={"x-program-id": "hdr-1"},
+    )
+    assert r.status_code == 200 and r.headers["x-mori-program-id"] == "hdr-1"
+    convo = [{"role": "system", "content": "agent"}, {"role": "user", "content": "task 77"}]
+    first = httpx.post(base + "/v1/chat/completions", json={"messages": convo, "max_tokens": 2})
+    longer = [*convo, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    second = httpx.post(base + "/v1/chat/completions", json={"messages": longer, "max_tokens": 2})
+    pid = first.headers["x-mori-program-id"]
+    assert pid.startswith("fp-") and second.headers["x-mori-program-id"] == pid
+    assert httpx.get(base + f"/v1/programs/{pid}").json()["steps"] == 2
+
+
+def test_tool_calls_pass_through(base):
+    c = client(base)
+    forced = {"tools": [BASH_TOOL], "tool_choice": "required"}
+    answer = c.chat.completions.create(**chat("tools-1"), **forced)
+    call = answer.choices[0].message.tool_calls[0]
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "bash" and "command" in json.loads(call.function.arguments)
+
+    chunks = list(c.chat.completions.create(**chat("tools-1", "again"), **forced, stream=True))
+    names = [
+        tc.function.name
+        for ch in chunks
+        if ch.choices and ch.choices[0].delta.tool_calls
+        for tc in ch.choices[0].delta.tool_calls
+        if tc.function and tc.function.name
+    ]
+    assert names == ["bash"]
+    assert_clean(base)
+
+
+def test_programs_spread_over_replicas_and_hints_reach_engines():
+    """Each replica's GPU tier holds one big program: two programs need both replicas.
+    Own replicas: another router's full hint sync would mark these programs inactive."""
+    with emulators(2, *EMULATOR_ARGS) as replicas:
+        specs = [{"url": url, "gpu_tokens": 3000, "cpu_tokens": 3000} for url in replicas]
+        with router(specs) as base:
+            c = client(base)
+            for i in range(2):
+                c.chat.completions.create(**_big(f"spread-{i}"))
+            placed = {p["program_id"]: p["replica"] for p in programs(base)["data"]}
+            assert {placed["spread-0"], placed["spread-1"]} == set(replicas)
+            _hints_follow_placement(base, placed["spread-0"])
+
+
+def _hints_follow_placement(base: str, replica: str) -> None:
+    def engine_hints() -> dict[str, str]:
+        rows = httpx.get(replica + "/mori/residency").json()["programs"]
+        return {pid: row["hint"] for pid, row in rows.items()}
+
+    deadline = time.monotonic() + 5
+    while engine_hints().get("spread-0") != "busy" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_hints().get("spread-0") == "busy"
+
+    assert httpx.post(base + "/v1/programs/spread-0/end").json()["ended"] is True
+    deadline = time.monotonic() + 5
+    while engine_hints().get("spread-0") not in (None, "inactive") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_hints().get("spread-0") in (None, "inactive")
+    assert httpx.get(base + "/v1/programs/spread-0").status_code == 404
+
+
+def test_admin_views_and_metrics(base, replicas):
+    client(base).chat.completions.create(**chat("metrics-1"))
+    reps = httpx.get(base + "/v1/replicas").json()["data"]
+    assert [r["url"] for r in reps] == replicas and all(r["healthy"] for r in reps)
+    assert all(r["gpu"]["budget_tokens"] > 0 and r["cpu"]["budget_tokens"] > 0 for r in reps)
+    text = httpx.get(base + "/metrics").text
+    for name in (
+        "mori_programs",
+        "mori_moves_total",
+        "mori_requests_total",
+        "mori_ttft_seconds_bucket",
+        "mori_hint_pushes_total",
+        "mori_replica_healthy",
+    ):
+        assert name in text
+    assert metric(base, "mori_requests_total", outcome="ok") >= 1
+
+
+@pytest.fixture
+def tight(replicas):
+    """One replica whose GPU tier holds one ~2000-token program, and no CPU tier."""
+    spec = {"url": replicas[0], "gpu_tokens": 3000, "cpu_tokens": 0}
+    with router([spec], gate_timeout_s=3.0) as url:
+        yield url
+
+
+def test_gate_holds_until_room_then_promotes(tight):
+    c = client(tight)
+    c.chat.completions.create(**_big("first"))
+    result: dict = {}
+
+    def second():
+        started = time.monotonic()
+        result["answer"] = c.chat.completions.create(**_big("second"))
+        result["waited"] = time.monotonic() - started
+
+    worker = threading.Thread(target=second)
+    worker.start()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        view = programs(tight)
+        if view["gate"]["waiting"] == 1:
+            break
+        time.sleep(0.02)
+    held = {p["program_id"]: p for p in view["data"]}
+    assert view["gate"]["waiting"] == 1 and held["second"]["status"] == "gated"
+    assert held["second"]["tier"] == "waiting" and held["first"]["tier"] == "gpu"
+    time.sleep(0.3)
+    assert worker.is_alive()  # still held: there is no room
+    httpx.post(tight + "/v1/programs/first/end").raise_for_status()
+    worker.join(5)
+    assert result["answer"].choices[0].message.content and result["waited"] >= 0.3
+    assert programs(tight)["data"][0]["tier"] == "gpu"
+    assert metric(tight, "mori_gate_wait_seconds_sum") >= 0.3
+    assert_clean(tight)
+
+
+def test_gate_timeout_answers_503_with_retry_after(tight):
+    c = client(tight)
+    c.chat.completions.create(**_big("holder"))
+    with pytest.raises(openai.APIStatusError) as err:
+        c.chat.completions.create(**_big("starved"))
+    assert err.value.status_code == 503
+    assert err.value.response.headers["retry-after"]
+    assert err.value.body["code"] == "gate_timeout"
+    view = assert_clean(tight)
+    starved = next(p for p in view["data"] if p["program_id"] == "starved")
+    assert starved["status"] == "acting" and starved["steps"] == 0
+    assert metric(tight, "mori_gate_timeouts_total") == 1
+
+
+def test_same_program_requests_take_turns(base):
+    c = client(base)
+    answers: list = []
+    threads = [
+        threading.Thread(
+            target=lambda i=i: answers.append(c.chat.completions.create(**chat("turns", f"q{i}")))
+        )
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(answers) == 4
+    assert httpx.get(base + "/v1/programs/turns").json()["steps"] == 4
+    assert_clean(base)
