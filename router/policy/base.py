@@ -71,6 +71,7 @@ class Policy(ABC):
         self.programs: dict[str, Program] = {}
         self._pending_hints: dict[str, dict[str, Hint]] = defaultdict(dict)
         self._held: dict[str, Program] = {}  # requests at the gate, in arrival order
+        self._marked: dict[str, dict[str, Program]] = {}  # replica -> lazily demoted programs
 
     @property
     def engine_mode(self) -> EngineMode:
@@ -203,6 +204,15 @@ class Policy(ABC):
         self._pending_hints = defaultdict(dict)
         return out
 
+    def pending_lazy_tokens(self, replica: str) -> int:
+        """Tokens on GPU(replica) marked to leave after their step (a demotion in flight)."""
+        gpu = Placement(Tier.GPU, replica)
+        return sum(
+            p.context_tokens
+            for p in self._marked.get(replica, {}).values()
+            if p.demote_after_step is not None and p.placement == gpu
+        )
+
     # introspection -----------------------------------------------------------------
     def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
         """A JSON-able view of one program for the admin API."""
@@ -248,6 +258,16 @@ class Policy(ABC):
         if len(held) != len(self._held):
             self._held = {p.program_id: p for p in held}
         return held
+
+    def _mark_lazy(self, p: Program, dst: Placement) -> None:
+        """Demote REASONING `p` to `dst` once its step ends (`on_response` applies it)."""
+        p.demote_after_step = dst
+        self._marked.setdefault(p.placement.replica, {})[p.program_id] = p  # type: ignore[arg-type]
+
+    def _clear_marks(self, replica: str) -> None:
+        """Forget replica's lazy demotions, so a rebalance can re-mark just what it needs."""
+        for p in self._marked.pop(replica, {}).values():
+            p.demote_after_step = None
 
     @staticmethod
     def _release(p: Program, now: float) -> None:

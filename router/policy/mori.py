@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from router.policy.base import Policy, PolicyConfig
+from router.policy.base import Policy
 from router.policy.program import Program
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
 
@@ -50,10 +50,6 @@ class MoriPolicy(Policy):
     """Idleness-driven GPU/CPU/WAITING tiering (the product's default policy)."""
 
     name = "mori"
-
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        super().__init__(config)
-        self._marked: dict[str, dict[str, Program]] = {}  # replica -> lazily demoted programs
 
     # events ---------------------------------------------------------------------------
     def _admit(self, p: Program, now: float) -> list[Move]:
@@ -83,6 +79,11 @@ class MoriPolicy(Policy):
             moves += self._cpu_overflow(r, now)
         return moves + self._promote(now, displace=True)
 
+    def _ranking(self, now: float) -> Idleness:
+        """The idleness that ranks victims and candidates in one pass (a hook: mori+predict
+        ranks programs it promoted ahead of a predicted tool end as least idle)."""
+        return _memo_idleness(now)
+
     # demotion -------------------------------------------------------------------------
     def _demote(self, replica: str | None, now: float) -> list[Move]:
         """Bring GPU(replica) back within budget, counting lazily demoted tokens as freed.
@@ -94,10 +95,10 @@ class MoriPolicy(Policy):
             return []
         gpu = Placement(Tier.GPU, replica)
         excess = self.tiers.used(gpu) - self.tiers.budget(gpu)
-        marked = self._clear_marks(replica)
+        self._clear_marks(replica)
         if excess <= 0:
             return []
-        idleness = _memo_idleness(now)
+        idleness = self._ranking(now)
         members = list(self.tiers.members(gpu))
         acting = sorted(
             (p for p in members if p.status is Status.ACTING), key=idleness, reverse=True
@@ -116,25 +117,8 @@ class MoriPolicy(Policy):
             if excess <= 0:
                 break
             excess -= p.context_tokens
-            p.demote_after_step = cpu
-            marked[p.program_id] = p
+            self._mark_lazy(p, cpu)
         return moves
-
-    def _clear_marks(self, replica: str) -> dict[str, Program]:
-        marked = self._marked.setdefault(replica, {})
-        for p in marked.values():
-            p.demote_after_step = None
-        marked.clear()
-        return marked
-
-    def pending_lazy_tokens(self, replica: str) -> int:
-        """Tokens on GPU(replica) marked to leave after their step (already counted freed)."""
-        gpu = Placement(Tier.GPU, replica)
-        return sum(
-            p.context_tokens
-            for p in self._marked.get(replica, {}).values()
-            if p.demote_after_step is not None and p.placement == gpu
-        )
 
     def _cpu_overflow(self, replica: str, now: float) -> list[Move]:
         """CPU(replica) over budget (capacity shrank): most idle programs go to WAITING."""
@@ -143,7 +127,7 @@ class MoriPolicy(Policy):
         if excess <= 0:
             return []
         moves = []
-        for p in sorted(self.tiers.members(cpu), key=_memo_idleness(now), reverse=True):
+        for p in sorted(self.tiers.members(cpu), key=self._ranking(now), reverse=True):
             if excess <= 0:
                 break
             excess -= p.context_tokens
@@ -167,7 +151,7 @@ class MoriPolicy(Policy):
             held = [p for p in held if p.context_tokens <= self._room(p, free, widest)]
             if not held:
                 return []
-        idleness = _memo_idleness(now)
+        idleness = self._ranking(now)
         on_cpu, returning, new = [], [], []
         for p in held:
             if p.placement.tier is Tier.CPU:
