@@ -209,6 +209,7 @@ class ReplicaEngine:
         self._host_used = 0
         self._active = 0  # device tokens reserved by running requests
         self._pcie_free_at = 0.0
+        self._protected: str | None = None  # program being admitted: its hits are locked
 
     # protocol ---------------------------------------------------------------------------
     def submit(
@@ -415,8 +416,13 @@ class ReplicaEngine:
         host_hit = max(0, min(e.host, limit) - dev_hit) if self.mode.host_tier else 0
         need = req.input_tokens + req.output_tokens - dev_hit
         room = self.gpu_tokens - self._dev_used + (e.dev - dev_hit)
-        if need > room and not self._evict_device(need - room, now, keep=req.program_id):
-            return False
+        if need > room:
+            self._protected = req.program_id  # write-backs must not evict its host hit
+            try:
+                if not self._evict_device(need - room, now, keep=req.program_id):
+                    return False
+            finally:
+                self._protected = None
         self._set_dev(e, req.input_tokens + req.output_tokens)
         from_prefetch = min(e.prefetched, dev_hit)
         req.dev_hit, req.host_hit = dev_hit, host_hit
@@ -477,7 +483,7 @@ class ReplicaEngine:
         cands = [
             (pid, e)
             for pid, e in self._entries.items()
-            if pid != keep and e.running is None and getattr(e, tier) > 0
+            if pid not in (keep, self._protected) and e.running is None and getattr(e, tier) > 0
         ]
         cands.sort(key=lambda c: (ranks[c[1].hint] if typed else 0, c[1].last_use))
         return cands

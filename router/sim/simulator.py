@@ -1,0 +1,329 @@
+"""Discrete-event simulation of closed-loop agent clients, a policy and simulated replicas.
+
+One run = one cell of a comparison (policy x concurrency x CPU ratio). Everything happens
+on a virtual clock held in an event heap:
+
+- `concurrency` closed-loop clients each replay one program from the corpus (send a step,
+  wait for the response, sleep its `tool_s`, send the next), then take the next program
+  (the corpus is shuffled once by the seed and cycled). A program's subagents
+  (`parent_id`) run as extra clients from parent start + `start_s`.
+- The policy is driven exactly as `router.policy.base` describes: `on_request` at arrival
+  (prompt tokens as the context estimate), `route` forwards or the request waits at the
+  gate until a later call's moves release it, `on_response` with input+output tokens,
+  `on_tool_start` after each non-final response, `tick` every `tick_s`, `end` after a
+  program's last step. After every call its hint updates go to the engines (when the
+  policy `sends_hints`); engines evict the way `policy.engine_mode` says.
+- Each replica is a `router.sim.model.ReplicaEngine`; the heap holds one entry per replica
+  for its next internal event (stale entries are skipped), so decode costs one event per
+  batch change, not one per token.
+
+Each finished step becomes a `StepRecord` (TTFT from arrival at the router, so gate time
+counts); GPU KV utilisation is the time-weighted share of device KV held by running
+requests (SGLang's `token_usage`); `summarize` reduces the run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+
+from router.policy import Policy, PolicyConfig, make_policy
+from router.policy.types import ReplicaCapacity
+from router.replay.records import RunResult, StepRecord, summarize
+from router.replay.trace import TraceProgram, TraceStep
+from router.sim.model import Done, FirstToken, ReplicaEngine
+from router.sim.presets import get_preset
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. `policy_config` keys are PolicyConfig fields (window, tick_s...)."""
+
+    policy: str = "mori"
+    preset: str = "h100-8b"
+    replicas: int = 1
+    concurrency: int = 80
+    cpu_ratio: float = 1.0
+    duration_s: float = 3600.0
+    token_scale: float = 1.0
+    seed: int = 0
+    start_jitter_s: float = 5.0  # clients start uniformly over this span, not all at t=0
+    policy_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)  # fail early with the list of known presets
+        checks = {
+            "replicas": self.replicas >= 1,
+            "concurrency": self.concurrency >= 1,
+            "cpu_ratio": self.cpu_ratio >= 0,
+            "duration_s": self.duration_s > 0,
+            "token_scale": self.token_scale > 0,
+            "start_jitter_s": self.start_jitter_s >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} out of range: {getattr(self, name)}")
+        known = {f.name for f in fields(PolicyConfig)}
+        unknown = sorted(set(self.policy_config) - known)
+        if unknown:
+            raise ValueError(f"unknown policy setting {unknown[0]!r}; known: {sorted(known)}")
+
+
+@dataclass(slots=True)
+class _Client:
+    """One replaying program instance (a main program or a subagent)."""
+
+    pid: str  # unique per replay of a trace program
+    program: TraceProgram
+    step: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    client: _Client
+    rid: str
+    arrival: float
+    step: TraceStep
+    replica: str | None = None
+    first_token: float | None = None
+    cached: tuple[int, int] = (0, 0)
+
+
+# event kinds, ordered so that at equal times engines finish before clients act
+_ENGINE, _TICK, _ARRIVE, _SPAWN = range(4)
+
+
+def scale_program(program: TraceProgram, scale: float) -> TraceProgram:
+    """Multiply every token count (prompt, output, reuse) by `scale`, keeping them valid:
+    a reused prefix never exceeds the new prompt nor the previous step's context."""
+    if scale == 1.0:
+        return program
+    steps: list[TraceStep] = []
+    for st in program.steps:
+        prompt = max(1, round(st.input_tokens * scale))
+        limit = steps[-1].input_tokens + steps[-1].output_tokens if steps else 0
+        reused = min(round(st.reused_tokens * scale), limit, prompt)
+        out = round(st.output_tokens * scale)
+        steps.append(TraceStep(prompt, out, reused, st.tool_s, st.tool))
+    anchor = min(round(program.anchor_tokens * scale), steps[0].input_tokens)
+    return replace(program, steps=tuple(steps), anchor_tokens=anchor)
+
+
+class Simulation:
+    """A single run; `run()` returns the cell's RunResult."""
+
+    def __init__(self, corpus: list[TraceProgram], config: SimConfig) -> None:
+        if not corpus:
+            raise ValueError("empty corpus")
+        self.config = config
+        programs = [scale_program(p, config.token_scale) for p in corpus]
+        self.children: dict[str, list[TraceProgram]] = {}
+        for p in programs:
+            if p.parent_id is not None:
+                self.children.setdefault(p.parent_id, []).append(p)
+        self.mains = [p for p in programs if p.parent_id is None]
+        if not self.mains:
+            raise ValueError("corpus has no main program (every program has a parent_id)")
+        self.rng = random.Random(config.seed)
+        self.rng.shuffle(self.mains)
+        self.preset = get_preset(config.preset)
+        self.cursor = itertools.count()
+        self.instances = itertools.count()
+        self.rids = itertools.count()
+        self.seq = itertools.count()
+        self.heap: list[tuple[float, int, int, object]] = []
+        self.now = 0.0
+        self.records: list[StepRecord] = []
+        self.inflight: dict[str, _Request] = {}  # rid -> request in an engine
+        self.gated: dict[str, _Request] = {}  # pid -> request held by the gate
+        self.moves = 0
+        self._util_area = 0.0
+        self._util_t = 0.0
+        self._build_policy_and_engines()
+
+    def _build_policy_and_engines(self) -> None:
+        cfg = self.config
+        pc = {"load_s_per_token": self.preset.kv_bytes_per_token / self.preset.pcie_bytes_s}
+        pc.update(cfg.policy_config)
+        self.policy: Policy = make_policy(cfg.policy, PolicyConfig(**pc))
+        mode = self.policy.engine_mode
+        gpu = self.preset.gpu_kv_tokens
+        host = self.preset.host_kv_tokens(cfg.cpu_ratio)
+        self.engines: dict[str, ReplicaEngine] = {}
+        self.scheduled: dict[str, float | None] = {}
+        for i in range(cfg.replicas):
+            name = f"r{i}"
+            self.engines[name] = ReplicaEngine(self.preset, mode, gpu, host)
+            self.scheduled[name] = None
+            self.policy.add_replica(name, ReplicaCapacity(gpu, host if mode.host_tier else 0))
+
+    # heap ------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.heap, (t, kind, next(self.seq), payload))
+
+    def _schedule_engine(self, name: str) -> None:
+        nt = self.engines[name].next_event_time()
+        if nt is not None:
+            nt = max(nt, self.now)
+            if nt != self.scheduled[name]:
+                self.scheduled[name] = nt
+                self._push(nt, _ENGINE, name)
+
+    # run ---------------------------------------------------------------------------------
+    def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
+        """Simulate `duration_s` virtual seconds; `progress(fraction)` now and then."""
+        started = time.perf_counter()
+        cfg = self.config
+        for _ in range(cfg.concurrency):
+            self._push(self.rng.uniform(0, cfg.start_jitter_s), _SPAWN, None)
+        self._push(0.0, _TICK, None)
+        next_report = 0.0
+        while self.heap and self.heap[0][0] <= cfg.duration_s:
+            t, kind, _, payload = heapq.heappop(self.heap)
+            self._account_util(t)
+            self.now = t
+            if kind == _ENGINE:
+                self._on_engine(payload)  # type: ignore[arg-type]
+            elif kind == _TICK:
+                self._policy_call(self.policy.tick(t))
+                self._push(t + self.policy.config.tick_s, _TICK, None)
+            elif kind == _ARRIVE:
+                self._on_arrive(payload)  # type: ignore[arg-type]
+            else:
+                self._start_client(payload)  # type: ignore[arg-type]
+            if progress is not None and t >= next_report:
+                progress(t / cfg.duration_s)
+                next_report = t + cfg.duration_s / 100
+        self._account_util(cfg.duration_s)
+        wall = time.perf_counter() - started
+        capacity = len(self.engines) * self.preset.gpu_kv_tokens
+        gpu_util = self._util_area / (cfg.duration_s * capacity)
+        extra = {
+            "preset": cfg.preset,
+            "replicas": cfg.replicas,
+            "token_scale": cfg.token_scale,
+            "duration_s": cfg.duration_s,
+            "seed": cfg.seed,
+            "moves": self.moves,
+            "failed_steps": sum(not r.ok for r in self.records),
+            "sim_wall_s": round(wall, 3),
+        }
+        return summarize(
+            self.records,
+            cfg.duration_s,
+            policy=cfg.policy,
+            concurrency=cfg.concurrency,
+            cpu_ratio=cfg.cpu_ratio,
+            gpu_util=gpu_util,
+            extra=extra,
+        )
+
+    def _account_util(self, t: float) -> None:
+        if t > self._util_t:
+            active = sum(e.usage()["device_active_tokens"] for e in self.engines.values())
+            self._util_area += (t - self._util_t) * active
+            self._util_t = t
+
+    # clients -----------------------------------------------------------------------------
+    def _start_client(self, program: TraceProgram | None) -> None:
+        """Start a program instance: the next main program (None) or a given subagent."""
+        if program is None:
+            program = self.mains[next(self.cursor) % len(self.mains)]
+        client = _Client(f"{program.program_id}#{next(self.instances)}", program)
+        for child in self.children.get(program.program_id, ()):
+            self._push(self.now + child.start_s, _SPAWN, child)
+        self._on_arrive(client)
+
+    def _on_arrive(self, client: _Client) -> None:
+        step = client.program.steps[client.step]
+        req = _Request(client, f"q{next(self.rids)}", self.now, step)
+        self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
+        self.gated[client.pid] = req
+        self._release_gated()
+
+    def _release_gated(self) -> None:
+        """Forward every held request whose program the policy now routes."""
+        for pid in list(self.gated):
+            replica = self.policy.route(pid)
+            if replica is not None:
+                req = self.gated.pop(pid)
+                req.replica = replica
+                self.inflight[req.rid] = req
+                st = req.step
+                engine = self.engines[replica]
+                engine.submit(
+                    req.rid,
+                    pid,
+                    st.input_tokens,
+                    st.output_tokens,
+                    self.now,
+                    reused_tokens=st.reused_tokens,
+                )
+                self._schedule_engine(replica)
+
+    def _policy_call(self, moves: list) -> None:
+        """After every policy call: count moves, push hints, release what the moves allow."""
+        self.moves += len(moves)
+        updates = self.policy.hint_updates()
+        if self.policy.sends_hints:
+            for replica, hints in updates.items():
+                self.engines[replica].apply_hints(hints, self.now)
+                self._schedule_engine(replica)
+        if self.gated:
+            self._release_gated()
+
+    # engines -----------------------------------------------------------------------------
+    def _on_engine(self, name: str) -> None:
+        if self.scheduled[name] != self.now:
+            return  # superseded by a later reschedule
+        self.scheduled[name] = None
+        for ev in self.engines[name].advance(self.now):
+            req = self.inflight.get(ev.rid)
+            if req is None:
+                continue
+            if isinstance(ev, FirstToken):
+                req.first_token = ev.t
+                req.cached = (ev.cached_device, ev.cached_host)
+            elif isinstance(ev, Done):
+                self._on_done(req, ev)
+        self._schedule_engine(name)
+
+    def _on_done(self, req: _Request, ev: Done) -> None:
+        del self.inflight[req.rid]
+        st, client = req.step, req.client
+        first = req.first_token if req.first_token is not None else ev.t
+        self.records.append(
+            StepRecord(
+                program_id=client.pid,
+                replica=req.replica,
+                arrival_s=req.arrival,
+                first_token_s=first,
+                finish_s=ev.t,
+                input_tokens=st.input_tokens,
+                output_tokens=st.output_tokens if ev.ok else 0,
+                cached_device=req.cached[0],
+                cached_host=req.cached[1],
+                ok=ev.ok,
+            )
+        )
+        usage = st.input_tokens + st.output_tokens if ev.ok else None
+        self._policy_call(self.policy.on_response(client.pid, self.now, usage))
+        client.step += 1
+        if client.step < len(client.program.steps):
+            tool = st.tool or "unknown"
+            agent = client.program.agent
+            self._policy_call(self.policy.on_tool_start(client.pid, self.now, tool, agent))
+            self._push(self.now + st.tool_s, _ARRIVE, client)
+            return
+        self._policy_call(self.policy.end(client.pid, self.now))
+        if client.program.parent_id is None:
+            self._start_client(None)  # closed loop: the slot takes the next program
+
+
+def simulate(corpus: list[TraceProgram], config: SimConfig, progress=None) -> RunResult:
+    """Run one cell (see `Simulation`)."""
+    return Simulation(corpus, config).run(progress)
