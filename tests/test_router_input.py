@@ -1,0 +1,291 @@
+"""Bad input never crashes the router: config errors are explained, bad requests get an
+OpenAI-style 4xx, and a fuzz of thousands of requests against the live app finds no 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.accounting import OpenAIStream, tool_label
+from router.api import create_app
+from router.config import ConfigError, load_config
+from router.identity import IdentityError, fingerprint, resolve
+from tests.router_harness import emulators
+
+# --- configuration -----------------------------------------------------------------------
+
+
+def test_flags_beat_env_beat_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("replicas: [http://a:1]\nport: 9000\ntick_s: 3\nwindow: 6\n")
+    env = {"MORI_PORT": "9001", "MORI_TICK_S": "2.5", "MORI_API_KEYS": "k1,k2"}
+    config = load_config(path, {"port": 9002, "policy": None}, env=env)
+    assert config.port == 9002  # flag
+    assert config.tick_s == 2.5  # env over file
+    assert config.window == 6  # file over default
+    assert config.api_keys == ["k1", "k2"]
+    assert [r.url for r in config.replicas] == ["http://a:1"]
+
+
+def test_replicas_from_env_accept_overrides():
+    env = {"MORI_REPLICAS": '[{"url": "http://a:1/", "gpu_tokens": 500}, "http://b:2"]'}
+    config = load_config(None, env=env)
+    assert config.replicas[0].url == "http://a:1" and config.replicas[0].gpu_tokens == 500
+    assert config.replicas[1].gpu_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "needle"),
+    [
+        ("replicas: [http://a:1]\ntick_s: -1\n", {}, "tick_s"),
+        ("replicas: [ftp://a]\n", {}, "http://"),
+        ("replicas: [http://a:1]\nbogus: 1\n", {}, "bogus: unknown setting"),
+        ("replicas: [http://a:1, http://a:1]\n", {}, "distinct"),
+        ("port: 80\n", {}, "no replicas configured"),
+        ("replicas: [http://a:1]\n", {"MORI_WINDOW": "zero"}, "window"),
+        ("- just\n- a list\n", {}, "mapping"),
+        ("replicas: [http://a:1\n", {}, "not valid YAML"),
+    ],
+)
+def test_bad_config_is_explained(tmp_path, text, env, needle):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(path, env=env)
+    assert needle in str(err.value)
+
+
+def test_config_errors_never_echo_secrets(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("replicas: [http://a:1]\nadmin_key: [sekrit-admin]\napi_keys: 7\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert "sekrit" not in str(err.value) and "admin_key" in str(err.value)
+
+
+# --- identity and accounting ------------------------------------------------------------
+
+
+def test_program_id_sources_in_order():
+    body = {"program_id": "a", "extra_body": {"program_id": "b"}, "metadata": {"user_id": "d"}}
+    assert resolve(body, {"x-program-id": "c"}, None) == "a"
+    assert resolve({"extra_body": {"program_id": "b"}}, {"x-program-id": "c"}, None) == "b"
+    assert resolve({"metadata": {"user_id": "d"}}, {"x-program-id": "c"}, None) == "c"
+    assert resolve({"metadata": {"user_id": "d"}}, {}, None) == "d"
+    assert resolve({"program_id": "a"}, {}, "key1") != resolve({"program_id": "a"}, {}, "key2")
+    with pytest.raises(IdentityError):
+        resolve({"program_id": {"nested": 1}}, {}, None)
+    with pytest.raises(IdentityError):
+        resolve({"program_id": "x" * 1000}, {}, None)
+
+
+def test_fingerprint_follows_the_stable_start():
+    start = [{"role": "system", "content": "you are an agent"}, {"role": "user", "content": "fix"}]
+    later = [*start, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    other = [start[0], {"role": "user", "content": "another task"}]
+    assert fingerprint({"messages": start}) == fingerprint({"messages": later})
+    assert fingerprint({"messages": start}) != fingerprint({"messages": other})
+
+
+def _sse(doc) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+def test_forced_usage_chunk_is_dropped_but_counted():
+    content = {"choices": [{"index": 0, "delta": {"content": "hi"}}], "usage": None}
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}
+    raw = _sse(content) + _sse(usage) + b"data: [DONE]\n\n"
+    for wants in (False, True):
+        stream = OpenAIStream(client_wants_usage=wants)
+        out = b"".join(stream.feed(raw[i : i + 5]) for i in range(0, len(raw), 5)) + stream.flush()
+        assert (b'"prompt_tokens"' in out) is wants
+        assert b"[DONE]" in out and b'"hi"' in out
+        assert stream.finish().context_tokens == 9
+
+
+def test_tool_call_deltas_name_the_tool():
+    calls = [
+        {"index": 0, "id": "c1", "function": {"name": "bash", "arguments": '{"comm'}},
+        {"index": 0, "function": {"arguments": 'and": "pytest -x tests"}'}},
+    ]
+    stream = OpenAIStream(client_wants_usage=False)
+    for call in calls:
+        stream.feed(_sse({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}))
+    assert stream.finish().tool == "pytest"
+    assert tool_label("Read", '{"path": "x"}') == "Read"
+    assert tool_label("Bash", {"command": "/usr/bin/git status"}) == "git"
+
+
+# --- requests against the app ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replica_url():
+    with emulators(1) as urls:
+        yield urls[0]
+
+
+def _app(replica_url: str, **settings):
+    config = load_config(
+        None,
+        {"replicas": [replica_url], "gate_timeout_s": 5, "max_body_bytes": 4096, **settings},
+        env={},
+    )
+    return create_app(config)
+
+
+async def _with_app(app, fn):
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            return await fn(c)
+
+
+def _is_openai_error(r: httpx.Response) -> bool:
+    body = r.json()
+    return set(body["error"]) == {"message", "type", "param", "code"}
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", b"", 400),
+    ("/v1/chat/completions", b"[1, 2]", 400),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 400),
+    ("/v1/chat/completions", b'{"messages": []}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": 3}]}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": -5}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": "9"}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stream": "yes"}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "program_id": [1]}', 400),
+    ("/v1/completions", b'{"prompt": 5}', 400),
+    ("/v1/messages", b'{"messages": [{"role": "user", "content": "x"}]}', 400),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}',
+        413,
+    ),
+    ("/v1/programs/nobody/end", b"", 404),
+    ("/v1/programs/nobody/tool_start", b'{"tool": "pytest"}', 404),
+    ("/v1/programs/nobody/tool_start", b'{"tool": 5}', 400),
+    ("/v1/no/such/route", b"{}", 404),
+]
+
+
+async def test_bad_requests_get_openai_errors(replica_url):
+    async def run(c):
+        for path, body, status in BAD_REQUESTS:
+            r = await c.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == status, (path, body[:60], r.text)
+            assert _is_openai_error(r)
+            assert "Traceback" not in r.text
+        r = await c.get("/v1/programs/nobody")
+        assert r.status_code == 404 and _is_openai_error(r)
+
+    await _with_app(_app(replica_url), run)
+
+
+async def test_keys_guard_clients_and_admin(replica_url):
+    app = _app(replica_url, api_keys=["client-key"], admin_key="admin-key")
+    message = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "program_id": "p"}
+
+    async def run(c):
+        r = await c.post("/v1/chat/completions", json=message)
+        assert r.status_code == 401 and _is_openai_error(r)
+        r = await c.post("/v1/chat/completions", json=message, headers={"x-api-key": "wrong"})
+        assert r.status_code == 401 and "wrong" not in r.text
+        ok = {"authorization": "Bearer client-key"}
+        r = await c.post("/v1/chat/completions", json=message, headers=ok)
+        assert r.status_code == 200, r.text
+        pid = r.headers["x-mori-program-id"]
+        assert pid.endswith("/p") and "client-key" not in pid
+        assert (await c.get("/v1/programs", headers=ok)).status_code == 403
+        admin = {"authorization": "Bearer admin-key"}
+        listing = (await c.get("/v1/programs", headers=admin)).json()
+        assert [p["program_id"] for p in listing["data"]] == [pid]
+        r = await c.post("/v1/programs/p/end", headers=ok)  # the client names its own id
+        assert r.status_code == 200 and r.json()["program_id"] == pid
+        assert (await c.get("/v1/programs", headers=admin)).json()["data"] == []
+
+    await _with_app(app, run)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool"]) | json_values},
+    optional={"content": st.text(max_size=40) | json_values},
+)
+chat_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": st.lists(message, max_size=3) | json_values,
+        "max_tokens": st.integers(-3, 6) | json_values,
+        "stream": st.booleans() | json_values,
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
+        "program_id": st.text(max_size=10) | json_values,
+        "temperature": st.floats(0, 2) | json_values,
+        "model": st.just("default") | json_values,
+        "prompt": st.text(max_size=30) | json_values,
+        "n": st.integers(0, 2) | json_values,
+    },
+)
+fuzz_request = st.tuples(
+    st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/messages"]),
+    st.one_of(
+        chat_body.map(lambda b: json.dumps(b, allow_nan=True).encode()),
+        st.binary(max_size=64),
+    ),
+)
+
+
+def test_fuzz_never_answers_5xx(replica_url):
+    """2000+ generated requests through the in-process app: every answer is < 500."""
+    app = _app(replica_url, max_body_bytes=1 << 20)
+    loop = asyncio.new_event_loop()
+    stack: dict = {}
+
+    async def enter():
+        stack["ctx"] = app.router.lifespan_context(app)
+        await stack["ctx"].__aenter__()
+        transport = httpx.ASGITransport(app=app)
+        stack["client"] = httpx.AsyncClient(transport=transport, base_url="http://router")
+
+    async def leave():
+        await stack["client"].aclose()
+        await stack["ctx"].__aexit__(None, None, None)
+
+    statuses: list[int] = []
+
+    @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(fuzz_request)
+    def probe(request):
+        path, body = request
+        r = loop.run_until_complete(
+            stack["client"].post(path, content=body, headers={"content-type": "application/json"})
+        )
+        statuses.append(r.status_code)
+        assert r.status_code < 500, (path, body[:200], r.text[:300])
+        if r.status_code >= 400:
+            assert _is_openai_error(r)
+
+    loop.run_until_complete(enter())
+    try:
+        probe()
+        view = loop.run_until_complete(stack["client"].get("/v1/programs")).json()
+        assert view["gate"] == {"waiting": 0, "turns": 0} and view["in_flight"] == 0
+        assert all(p["status"] == "acting" for p in view["data"])
+    finally:
+        loop.run_until_complete(leave())
+        loop.close()
+    assert len(statuses) >= 2000
+    assert 200 in statuses  # the fuzz reaches the engine, not only the validator
