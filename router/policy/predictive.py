@@ -1,0 +1,233 @@
+"""mori+predict: Tokencake's time scheduler (section 4) on top of MORI's tiers.
+
+MORI moves programs on observed idleness at its tick. This policy adds two moves driven
+by a forecast of each tool call's duration (`router.policy.predictor`):
+
+* **Offload at tool start** (Tokencake Algorithm 1): when a GPU program starts a tool
+  call, its KV is moved to its replica's CPU tier (`OFFLOAD_TOOL`, hint idle) only if
+  the benefit beats the transfer cost:
+
+      benefit = (T_fc - T_transfer) * value,   T_transfer = 2 * load_s_per_token * context
+
+  where `value` in [0, 1] is the share of the freed tokens that requests waiting at the
+  gate would fill right now. No waiting demand, no offload: an idle GPU copy costs
+  nothing when nobody wants the room.
+
+* **Predictive promotion**: shortly before a CPU program's predicted tool end (lead =
+  load-back time + `predict_lead_s`) it is moved back to its GPU tier
+  (`PROMOTE_PREDICTED`, hint busy, so the engine loads it back before the request comes),
+  but only into free room nobody at the gate could use, never by displacing anyone. A
+  request that comes earlier is promoted the normal MORI way. A prediction that was too
+  short holds GPU room while the program still acts: that is bounded, since at
+  predicted end + `predict_grace_s` the program loses its protection and, if the gate
+  wants the room, goes back to CPU.
+
+The forecast needs finer timing than MORI's tick: `next_wakeup(now)` says when the
+shell should call `tick` next; between full periods `tick` only runs the predictive
+checks, so MORI's own rebalance keeps its `tick_s` cadence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.policy.base import PolicyConfig
+from router.policy.mori import Idleness, MoriPolicy
+from router.policy.predictor import DurationPredictor
+from router.policy.program import Program
+from router.policy.types import Move, MoveReason, Placement, Status, Tier
+
+_EPS = 1e-9
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """The tool call a program is in: what it is and when it is expected to end."""
+
+    tool: str
+    agent: str | None
+    start_s: float
+    predicted_s: float
+    ended_s: float | None = None  # the client said it finished (on_tool_end)
+    promote_tried: bool = False  # predictive promotion done (one per call)
+
+    @property
+    def predicted_end_s(self) -> float:
+        return self.start_s + self.predicted_s
+
+
+class PredictivePolicy(MoriPolicy):
+    """MORI plus tool-duration prediction: benefit-gated offload and predictive promotion."""
+
+    name = "mori+predict"
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self.predictor = DurationPredictor(self.config.ewma_alpha, self.config.hint_alpha)
+        self.calls: dict[str, ToolCall] = {}
+        self.protected_until: dict[str, float] = {}  # predicted-promoted: safe from demotion
+        self._next_rebalance_s = float("-inf")
+
+    # cost model --------------------------------------------------------------------
+    def load_s(self, p: Program) -> float:
+        """One-way GPU<->host copy time of the program's KV."""
+        return self.config.load_s_per_token * p.context_tokens
+
+    def promote_at(self, p: Program) -> float | None:
+        """When a CPU program of an ongoing call should start loading back."""
+        call = self.calls.get(p.program_id)
+        if call is None or call.promote_tried or call.ended_s is not None:
+            return None
+        return call.predicted_end_s - self.load_s(p) - self.config.predict_lead_s
+
+    def offload_benefit(self, p: Program, predicted_s: float) -> tuple[float, float]:
+        """(benefit, cost) in seconds of Algorithm 1 for offloading `p` now."""
+        cost = 2.0 * self.load_s(p)
+        window = predicted_s - cost
+        if window <= 0 or p.context_tokens <= 0:
+            return 0.0, cost
+        replica = p.placement.replica
+        free = max(0, self.tiers.free(Placement(Tier.GPU, replica)))
+        room = free + p.context_tokens
+        filled = 0
+        for tokens in sorted(q.context_tokens for q in self._gated_demand(replica)):
+            if filled + tokens > room:
+                break
+            filled += tokens
+        value = min(1.0, max(0, filled - free) / p.context_tokens)
+        return window * value, cost
+
+    def _gated_demand(self, replica: str | None) -> list[Program]:
+        """Programs whose request waits at the gate and could run on `replica`."""
+        cpu = Placement(Tier.CPU, replica)
+        return [
+            q
+            for q in self._held_programs()
+            if q.placement == cpu or q.placement.tier is Tier.WAITING
+        ]
+
+    def _ranking(self, now: float) -> Idleness:
+        """Protected (predicted-promoted, not yet overdue) programs rank least idle: they
+        are demoted last and never displaced by a swap, until their protection expires."""
+        base = super()._ranking(now)
+
+        def idleness(p: Program) -> float:
+            return -1.0 if p.program_id in self.protected_until else base(p)
+
+        return idleness
+
+    # events --------------------------------------------------------------------------
+    def on_tool_start(
+        self,
+        program_id: str,
+        now: float,
+        tool: str,
+        agent: str | None = None,
+        predict_s: float | None = None,
+    ) -> list[Move]:
+        p = self.programs.get(program_id)
+        if p is None or p.status is not Status.ACTING:
+            return []
+        predicted = self.predictor.predict(agent, tool, predict_s)
+        self.calls[program_id] = ToolCall(tool, agent, now, predicted)
+        self.protected_until.pop(program_id, None)
+        if p.placement.tier is not Tier.GPU or p.demote_after_step is not None:
+            return []
+        benefit, cost = self.offload_benefit(p, predicted)
+        cpu = Placement(Tier.CPU, p.placement.replica)
+        if benefit <= cost or not self.tiers.fits(cpu, p.context_tokens):
+            return []
+        return [self._move(p, cpu, MoveReason.OFFLOAD_TOOL, now)] + self._promote(now)
+
+    def on_tool_end(self, program_id: str, now: float) -> list[Move]:
+        """The call finished early or on time: learn from it, load the KV back if room."""
+        call = self.calls.get(program_id)
+        p = self.programs.get(program_id)
+        if call is None or p is None or call.ended_s is not None:
+            return []
+        self._observe(call, now)
+        call.ended_s = now
+        cpu_moves = []
+        gpu = Placement(Tier.GPU, p.placement.replica)
+        if p.placement.tier is Tier.CPU and self._room_for(p, gpu):
+            cpu_moves.append(self._move(p, gpu, MoveReason.PROMOTE_CPU, now))
+        return cpu_moves
+
+    def on_request(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        call = self.calls.pop(program_id, None)
+        if call is not None and call.ended_s is None:
+            self._observe(call, now)
+        self.protected_until.pop(program_id, None)
+        return super().on_request(program_id, now, context_tokens)
+
+    def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
+        self.calls.pop(program_id, None)
+        self.protected_until.pop(program_id, None)
+        return super().end(program_id, now, reason)
+
+    def tick(self, now: float) -> list[Move]:
+        """A full MORI tick every `tick_s`; extra wake-ups run only the predictive checks."""
+        moves: list[Move] = []
+        if now + _EPS >= self._next_rebalance_s:
+            self._next_rebalance_s = now + self.config.tick_s
+            moves += super().tick(now)
+        return moves + self._expire_protection(now) + self._predictive_promotions(now)
+
+    def next_wakeup(self, now: float) -> float | None:
+        """The earliest future time a predictive check has work to do (None: none)."""
+        times = [t for t in self.protected_until.values() if t > now]
+        for pid in self.calls:
+            p = self.programs.get(pid)
+            at = self.promote_at(p) if p is not None and p.placement.tier is Tier.CPU else None
+            if at is not None:
+                times.append(max(at, now))
+        return min(times) if times else None
+
+    # predictive moves -------------------------------------------------------------
+    def _room_for(self, p: Program, gpu: Placement) -> bool:
+        """Free room on `gpu` for `p` that no request waiting at the gate could use."""
+        if not self.tiers.healthy.get(gpu.replica, False):  # type: ignore[arg-type]
+            return False
+        free = self.tiers.free(gpu)
+        if p.context_tokens > free:
+            return False
+        return not any(q.context_tokens <= free for q in self._gated_demand(gpu.replica))
+
+    def _predictive_promotions(self, now: float) -> list[Move]:
+        due = []
+        for pid in list(self.calls):
+            p = self.programs.get(pid)
+            if p is None or p.placement.tier is not Tier.CPU or p.pending:
+                continue
+            at = self.promote_at(p)
+            if at is not None and now + _EPS >= at:
+                due.append((self.calls[pid].predicted_end_s, p))
+        moves = []
+        for predicted_end, p in sorted(due, key=lambda e: e[0]):  # soonest back first
+            gpu = Placement(Tier.GPU, p.placement.replica)
+            if self._room_for(p, gpu):
+                self.calls[p.program_id].promote_tried = True
+                self.protected_until[p.program_id] = predicted_end + self.config.predict_grace_s
+                moves.append(self._move(p, gpu, MoveReason.PROMOTE_PREDICTED, now))
+        return moves
+
+    def _expire_protection(self, now: float) -> list[Move]:
+        """A predicted-promoted program still acting past predicted end + grace was
+        mispredicted: it loses its protection and yields the room if the gate wants it."""
+        moves = []
+        for pid, until in list(self.protected_until.items()):
+            if now + _EPS < until:
+                continue
+            del self.protected_until[pid]
+            p = self.programs.get(pid)
+            if p is None or p.placement.tier is not Tier.GPU or p.status is not Status.ACTING:
+                continue
+            if self._gated_demand(p.placement.replica):
+                cpu = self._fit_or_waiting(Placement(Tier.CPU, p.placement.replica), p)
+                moves.append(self._move(p, cpu, MoveReason.DEMOTE, now))
+        return moves + (self._promote(now) if moves else [])
+
+    def _observe(self, call: ToolCall, now: float) -> None:
+        self.predictor.observe(call.agent, call.tool, now - call.start_s, call.predicted_s)
