@@ -1,0 +1,102 @@
+"""`mori-sglang` / `python -m engine_patches.launch`: start SGLang with the MORI engine patch.
+
+Checks the SGLang version and that every hook target exists (exit 2 with a clear message if
+not), turns on what MORI needs (HiCache with write_through, the "mori" eviction policy, the
+plugin), and passes every other flag through to `sglang.launch_server` unchanged:
+
+    mori-sglang --model-path Qwen/Qwen3-8B --hicache-ratio 2 --port 30000
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from engine_patches.plugin import SUPPORTED
+
+# flag -> value MORI needs (None: a switch). A conflicting user value is an error.
+REQUIRED = {
+    "--enable-hierarchical-cache": None,
+    "--hicache-write-policy": "write_through",
+    "--radix-eviction-policy": "mori",
+}
+FORBIDDEN = ("--enable-session-radix-cache",)
+
+
+class LaunchError(RuntimeError):
+    """Why the patched server cannot start; printed without a traceback."""
+
+
+def check_sglang() -> None:
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise LaunchError(
+            f"sglang is not installed: pip install sglang=={SUPPORTED} "
+            "(CPU: scripts/install_sglang_cpu.sh)"
+        ) from None
+    if version != SUPPORTED:
+        raise LaunchError(f"MORI's engine patch targets sglang=={SUPPORTED}, found {version}")
+    from engine_patches import sglang_0_5_17
+
+    missing = sglang_0_5_17.missing_targets()
+    if missing:
+        raise LaunchError("sglang lacks hook targets the patch needs: " + ", ".join(missing))
+    names = [e.name for e in importlib.metadata.entry_points(group="sglang.srt.plugins")]
+    if "mori" not in names:
+        raise LaunchError(
+            "the 'mori' sglang plugin entry point is not installed (pip install -e .)"
+        )
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def build_argv(user: Sequence[str]) -> list[str]:
+    """User flags plus MORI's required ones; a user flag that contradicts MORI is an error."""
+    argv = list(user)
+    for flag in FORBIDDEN:
+        if flag in argv:
+            raise LaunchError(f"{flag} conflicts with MORI's typed eviction (leave it off)")
+    for flag, value in REQUIRED.items():
+        present = flag in argv or any(a.startswith(flag + "=") for a in argv)
+        if not present:
+            argv += [flag] if value is None else [flag, value]
+        elif value is not None and _flag_value(argv, flag) != value:
+            raise LaunchError(f"MORI needs {flag} {value}, got {_flag_value(argv, flag)!r}")
+    return argv
+
+
+def plugin_env(env: dict[str, str]) -> dict[str, str]:
+    """Make sure SGLANG_PLUGINS, when set as a whitelist, includes MORI."""
+    allowed = [p for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
+    if allowed and "mori" not in allowed:
+        return {"SGLANG_PLUGINS": ",".join([*allowed, "mori"])}
+    return {}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    user = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_sglang()
+        full = build_argv(user)
+    except LaunchError as exc:
+        print(f"mori-sglang: error: {exc}", file=sys.stderr)
+        return 2
+    os.environ.update(plugin_env(dict(os.environ)))
+    sys.argv = ["sglang.launch_server", *full]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""TEST SCAFFOLDING: start a MORI-patched SGLang 0.5.17 server on CPU for the tests.
+
+The venv comes from scripts/install_sglang_cpu.sh (MORI_SGLANG_VENV, default
+~/.cache/mori/sglang-0.5.17). The CPU shims (shim/) go on the server's PYTHONPATH only. The log
+goes to a file (SGLang is chatty; a pipe nobody reads would block it) and is shown on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.servers import free_port, stop
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+VENV = Path(os.environ.get("MORI_SGLANG_VENV", Path.home() / ".cache/mori/sglang-0.5.17"))
+PYTHON = VENV / "bin" / "python"
+
+# Small pools so a handful of short programs already overflow the device tier.
+CPU_FLAGS = [
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--disable-overlap-schedule",
+    "--sleep-on-idle",
+    "--hicache-io-backend", "direct",
+    "--hicache-mem-layout", "layer_first",
+    "--skip-server-warmup",
+]  # fmt: skip
+
+
+def server_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": f"{HERE / 'shim'}{os.pathsep}{REPO}",
+    }
+
+
+def build_tiny_model(out: Path) -> Path:
+    subprocess.run(
+        [str(PYTHON), str(HERE / "tiny_model.py"), str(out)],
+        env=server_env(),
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
+    return out
+
+
+class Server:
+    """A running patched server: base URL, log file, process."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@contextlib.contextmanager
+def patched_server(
+    model: Path, log_dir: Path, extra: list[str], timeout_s: float = 240.0
+) -> Iterator[Server]:
+    port = free_port()
+    log = log_dir / f"sglang-{port}.log"
+    argv = [str(PYTHON), "-m", "engine_patches.launch", "--model-path", str(model)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, env=server_env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    server = Server(proc, port, log)
+    try:
+        _wait_ready(server, timeout_s)
+        yield server
+    finally:
+        stop(proc, grace_s=10.0)
+
+
+def _wait_ready(server: Server, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"sglang exited with {server.proc.returncode}:\n{server.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.url}/model_info", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"sglang not ready after {timeout_s}s:\n{server.log_tail()}")

@@ -1,0 +1,182 @@
+"""The MORI engine patch inside a real SGLang 0.5.17, on CPU (HiCache with a small device pool).
+
+Needs the SGLang venv from scripts/install_sglang_cpu.sh (scripts/test.sh runs it first).
+MORI_SKIP_SGLANG=1 skips these tests with that reason; otherwise a missing engine FAILS.
+The model is a random-weight 2-layer Qwen2 built at test time (tests/sglang/, scaffolding).
+Programs send token-id prompts through the OpenAI SDK with `session_id` = program id; the
+engine's own view comes from /generate's cached_tokens_details.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.sglang.server import PYTHON, Server, build_tiny_model, patched_server
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(
+        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
+    ),
+]
+
+DEVICE_TOKENS = 256  # --max-total-tokens: a few programs already overflow it
+PROMPT_LEN = 24
+SERVER_FLAGS = [
+    "--max-total-tokens", str(DEVICE_TOKENS),
+    "--hicache-ratio", "1.5",  # host pool ~385 tokens: the host tier overflows too
+    "--max-running-requests", "4",
+    "--chunked-prefill-size", "128",
+]  # fmt: skip
+
+
+def prompt_of(program: str) -> list[int]:
+    """A prompt no other program shares (distinct first token), deterministic per program."""
+    rng = random.Random(program)
+    return [20 + int(program[1:]), *(rng.randrange(30, 300) for _ in range(PROMPT_LEN - 1))]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if not PYTHON.exists():
+        pytest.fail(f"SGLang venv missing at {PYTHON}: run scripts/install_sglang_cpu.sh")
+    work = tmp_path_factory.mktemp("sglang")
+    model = build_tiny_model(work / "tiny")
+    with patched_server(model, work, SERVER_FLAGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def run_step(client: OpenAI, program: str) -> str:
+    out = client.completions.create(
+        model="tiny",
+        prompt=prompt_of(program),
+        max_tokens=1,
+        temperature=0,
+        extra_body={"session_id": program, "ignore_eos": True},
+    )
+    return out.choices[0].text
+
+
+def hints(server: Server, epoch: int, types: dict[str, str], full: bool = False) -> dict:
+    body = {"epoch": epoch, "hints": types, "full": full}
+    r = httpx.post(f"{server.url}/mori/hints", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def residency(server: Server) -> dict:
+    r = httpx.get(f"{server.url}/mori/residency", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def generate(server: Server, program: str) -> dict:
+    body = {
+        "input_ids": prompt_of(program),
+        "session_id": program,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
+    }
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def device(res: dict, programs: list[str]) -> int:
+    return sum(res["programs"].get(p, {}).get("device_tokens", 0) for p in programs)
+
+
+def host(res: dict, programs: list[str]) -> int:
+    return sum(res["programs"].get(p, {}).get("host_tokens", 0) for p in programs)
+
+
+def names(lo: int, hi: int) -> list[str]:
+    return [f"p{i:02d}" for i in range(lo, hi)]
+
+
+def test_hint_endpoint_validates_and_is_idempotent(server: Server):
+    bad = httpx.post(f"{server.url}/mori/hints", json={"epoch": 1, "hints": {"x": "hot"}})
+    assert bad.status_code == 400
+    assert "unknown type" in bad.json()["error"]["message"]
+    assert httpx.post(f"{server.url}/mori/hints", content=b"{nope").status_code == 400
+    first = hints(server, 1, {"zz": "inactive"})
+    assert first == hints(server, 1, {"zz": "inactive"})
+    assert first["residency"] == {"zz": {"device_tokens": 0, "host_tokens": 0}}
+    assert hints(server, 0, {"zz": "busy"})["stale"] is True
+    assert residency(server)["programs"]["zz"]["hint"] == "inactive"
+
+
+def test_typed_eviction_and_offload_under_pressure(server: Server, client: OpenAI):
+    busy, inactive, idle = names(0, 4), names(4, 8), names(8, 20)
+    # Busy programs run first: plain LRU would evict them first.
+    for p in busy + inactive:
+        run_step(client, p)
+    res = residency(server)
+    assert device(res, busy) == len(busy) * PROMPT_LEN, res
+    hints(server, 10, {**dict.fromkeys(busy, "busy"), **dict.fromkeys(inactive, "inactive")})
+    hints(server, 11, dict.fromkeys(idle, "idle"))
+    for p in idle:  # 12 more programs: the device pool (256 tokens) overflows
+        run_step(client, p)
+    res = residency(server)
+    # Device: inactive went first, busy programs kept every token on device.
+    assert device(res, busy) == len(busy) * PROMPT_LEN, res
+    assert device(res, inactive) == 0, res
+    # Host (write-through put everyone there, the host pool overflowed): inactive go first.
+    assert host(res, inactive) < host(res, idle[:4]), res
+    assert res["device_used_tokens"] <= res["device_capacity_tokens"]
+
+    # Idle transition: the program's device copy is freed at once, its host copy stays.
+    survivors = [p for p in idle if res["programs"][p]["device_tokens"] > 0]
+    assert survivors, res
+    hints(server, 12, dict.fromkeys(survivors, "busy"))
+    after = hints(server, 13, dict.fromkeys(survivors, "idle"))  # busy -> idle: offload
+    expect = {"device_tokens": 0, "host_tokens": PROMPT_LEN}
+    assert after["residency"] == dict.fromkeys(survivors, expect), after
+    assert device(residency(server), survivors) == 0
+
+
+def test_busy_program_is_loaded_back_and_served_from_device(server: Server):
+    program = "p30"
+    first = generate(server, program)
+    hints(server, 20, {program: "idle"})  # offload: device copy freed, host copy kept
+    res = residency(server)["programs"][program]
+    assert res == {"hint": "idle", "device_tokens": 0, "host_tokens": PROMPT_LEN}
+    answer = hints(server, 21, {program: "busy"})  # queue load-back for the next prefill
+    assert answer["residency"][program] == {"device_tokens": PROMPT_LEN, "host_tokens": PROMPT_LEN}
+    again = generate(server, program)
+    details = again["meta_info"]["cached_tokens_details"]
+    assert details == {"device": PROMPT_LEN - 1, "host": 0}, again["meta_info"]
+    assert again["output_ids"] == first["output_ids"]  # the reloaded KV is the same KV
+
+
+def test_residency_agrees_with_cached_tokens_details(server: Server):
+    """For programs in every state, the next request's device/host hit equals what
+    /mori/residency said just before (one token is always recomputed)."""
+    for p in names(0, 20):
+        before = residency(server)["programs"][p]
+        path = max(before["device_tokens"], before["host_tokens"])
+        meta = generate(server, p)["meta_info"]
+        details = meta["cached_tokens_details"] or {"device": 0, "host": 0}
+        expect_device = min(before["device_tokens"], max(path - 1, 0))
+        assert details["device"] == expect_device, (p, before, meta)
+        assert details["device"] + details["host"] == max(path - 1, 0), (p, before, meta)
+
+
+def test_chat_endpoint_carries_session_id(server: Server, client: OpenAI):
+    client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "program chat step one"}],
+        max_tokens=2,
+        extra_body={"session_id": "chat1"},
+    )
+    assert residency(server)["programs"]["chat1"]["host_tokens"] > 0
