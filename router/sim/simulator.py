@@ -94,7 +94,7 @@ class _Request:
 
 
 # event kinds, ordered so that at equal times engines finish before clients act
-_ENGINE, _TICK, _ARRIVE, _SPAWN = range(4)
+_ENGINE, _TICK, _ARRIVE, _SPAWN, _WAKE = range(5)
 
 
 def scale_program(program: TraceProgram, scale: float) -> TraceProgram:
@@ -141,6 +141,7 @@ class Simulation:
         self.inflight: dict[str, _Request] = {}  # rid -> request in an engine
         self.gated: dict[str, _Request] = {}  # pid -> request held by the gate
         self.moves = 0
+        self.wake_at: float | None = None  # extra tick the policy asked for (next_wakeup)
         self._util_area = 0.0
         self._util_t = 0.0
         self._build_policy_and_engines()
@@ -191,6 +192,10 @@ class Simulation:
             elif kind == _TICK:
                 self._policy_call(self.policy.tick(t))
                 self._push(t + self.policy.config.tick_s, _TICK, None)
+            elif kind == _WAKE:
+                if t == self.wake_at:  # else superseded by a later request
+                    self.wake_at = None
+                    self._policy_call(self.policy.tick(t))
             elif kind == _ARRIVE:
                 self._on_arrive(payload)  # type: ignore[arg-type]
             else:
@@ -275,6 +280,11 @@ class Simulation:
                 self._schedule_engine(replica)
         if self.gated:
             self._release_gated()
+        wake = getattr(self.policy, "next_wakeup", None)
+        at = wake(self.now) if wake is not None else None
+        if at is not None and at != self.wake_at:
+            self.wake_at = at
+            self._push(at, _WAKE, None)
 
     # engines -----------------------------------------------------------------------------
     def _on_engine(self, name: str) -> None:
