@@ -132,6 +132,11 @@ def test_no_predictive_promotion_without_free_room():
     moves = policy.tick(31.0)
     assert by_reason(moves, MoveReason.PROMOTE_PREDICTED) == []
     assert where(policy, "a") == CPU0 and where(policy, "b") == GPU0  # nobody displaced
+    wake = policy.next_wakeup(31.0)
+    assert wake is None or wake > 31.0  # a due promotion never asks for a busy loop
+    policy.on_response("b", 31.2, 400)
+    moves = policy.end("b", 31.5)  # room freed: the due prediction takes it at once
+    assert by_reason(moves, MoveReason.PROMOTE_PREDICTED) == ["a"]
 
 
 def test_predictive_promotion_leaves_room_to_requests_at_the_gate():

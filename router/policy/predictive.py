@@ -165,7 +165,12 @@ class PredictivePolicy(MoriPolicy):
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
         self.calls.pop(program_id, None)
         self.protected_until.pop(program_id, None)
-        return super().end(program_id, now, reason)
+        moves = super().end(program_id, now, reason)
+        return moves + self._predictive_promotions(now) if moves else moves
+
+    def _after_response(self, p: Program, now: float) -> list[Move]:
+        """Room a step freed goes to the gate first (MORI), then to due predictions."""
+        return super()._after_response(p, now) + self._predictive_promotions(now)
 
     def tick(self, now: float) -> list[Move]:
         """A full MORI tick every `tick_s`; extra wake-ups run only the predictive checks."""
@@ -176,14 +181,16 @@ class PredictivePolicy(MoriPolicy):
         return moves + self._expire_protection(now) + self._predictive_promotions(now)
 
     def next_wakeup(self, now: float) -> float | None:
-        """The earliest future time a predictive check has work to do (None: none)."""
-        times = [t for t in self.protected_until.values() if t > now]
+        """The earliest time after `now` a predictive check has work (None: none); the
+        shell calls `tick` then. Due promotions that found no room are retried when room
+        frees (after a response or an end) and at later ticks, never in a busy loop."""
+        times = list(self.protected_until.values())
         for pid in self.calls:
             p = self.programs.get(pid)
-            at = self.promote_at(p) if p is not None and p.placement.tier is Tier.CPU else None
-            if at is not None:
-                times.append(max(at, now))
-        return min(times) if times else None
+            if p is not None and p.placement.tier is Tier.CPU:
+                times.append(self.promote_at(p))
+        future = [t for t in times if t is not None and t > now + _EPS]
+        return min(future) if future else None
 
     # predictive moves -------------------------------------------------------------
     def _room_for(self, p: Program, gpu: Placement) -> bool:
