@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,15 +32,18 @@ FAST = {  # background loops fast enough for tests to observe them within a seco
 
 
 @contextlib.contextmanager
+def emulator(*args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """One emulated SGLang replica; yields its base URL and process (to kill it)."""
+    port = free_port()
+    with spawn(mori("emulate", "--port", str(port), *args), port) as proc:
+        yield f"http://127.0.0.1:{port}", proc
+
+
+@contextlib.contextmanager
 def emulators(count: int, *args: str) -> Iterator[list[str]]:
     """`count` emulated SGLang replicas; yields their base URLs."""
     with contextlib.ExitStack() as stack:
-        urls = []
-        for _ in range(count):
-            port = free_port()
-            stack.enter_context(spawn(mori("emulate", "--port", str(port), *args), port))
-            urls.append(f"http://127.0.0.1:{port}")
-        yield urls
+        yield [stack.enter_context(emulator(*args))[0] for _ in range(count)]
 
 
 @contextlib.contextmanager

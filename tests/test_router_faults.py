@@ -1,0 +1,238 @@
+"""Faults: replicas that die, hang or reject hints, and clients that leave early.
+
+After each, the router's state is clean: nothing stuck REASONING or GATED, no gate
+turn or in-flight request left (`assert_clean`), and later requests still succeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.router_harness import assert_clean, chat, client, emulator, metric, programs, router
+from tests.servers import free_port
+
+SLOW = ("--time-scale", "1")  # real-time decoding: a long answer streams for seconds
+
+
+def _replica_of(base: str, program_id: str) -> str:
+    return httpx.get(base + f"/v1/programs/{program_id}").json()["last_replica"]
+
+
+def _healthy(base: str) -> dict[str, bool]:
+    return {r["url"]: r["healthy"] for r in httpx.get(base + "/v1/replicas").json()["data"]}
+
+
+def test_replica_killed_mid_stream():
+    with emulator(*SLOW) as (url_a, proc_a), emulator(*SLOW) as (url_b, proc_b):
+        procs = {url_a: proc_a, url_b: proc_b}
+        with router([url_a, url_b]) as base:
+            c = client(base)
+            stream = c.chat.completions.create(**chat("victim", max_tokens=400), stream=True)
+            first = next(iter(stream))
+            assert first.choices
+            doomed = _replica_of(base, "victim")
+            os.killpg(procs[doomed].pid, signal.SIGKILL)
+            with pytest.raises(openai.APIError):
+                for _ in stream:
+                    pass
+            assert_clean(base)
+            # the program's next step is served by the surviving replica
+            again = c.chat.completions.create(**chat("victim", "retry"))
+            assert again.choices[0].message.content
+            assert _replica_of(base, "victim") != doomed
+            assert _healthy(base)[doomed] is False
+            assert metric(base, "mori_requests_total", outcome="error") >= 1
+            assert_clean(base)
+
+
+@contextlib.contextmanager
+def hanging_server() -> Iterator[str]:
+    """Accepts TCP connections and never answers a byte (a wedged engine)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def test_hanging_replica_is_retried_elsewhere_and_drained():
+    with hanging_server() as hung, emulator() as (good, _):
+        # The hung replica has the most room, so new programs are placed there first.
+        specs = [
+            {"url": hung, "gpu_tokens": 1_000_000, "cpu_tokens": 1_000_000},
+            {"url": good, "gpu_tokens": 100_000, "cpu_tokens": 100_000},
+        ]
+        with router(specs, request_timeout_s=1.0, health_interval_s=30.0) as base:
+            c = client(base, timeout=10)
+            started = time.monotonic()
+            answer = c.chat.completions.create(**chat("wedged"))
+            assert answer.choices[0].message.content
+            assert 1.0 <= time.monotonic() - started < 5
+            assert metric(base, "mori_requests_total", outcome="retried") == 1
+            assert _healthy(base) == {hung: False, good: True}
+            assert _replica_of(base, "wedged") == good
+            assert_clean(base)
+
+
+class ScriptedReplica:
+    """A minimal engine double for faults the emulator does not stage: hint endpoint
+    errors, and recording the aborts the router sends."""
+
+    def __init__(self, hints_status: int = 200, tokens: int = 3, delay_s: float = 0.0) -> None:
+        self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
+        self.hint_calls = 0
+        self.aborts: list[str] = []
+        self.app = Starlette(
+            routes=[
+                Route("/health", lambda r: Response(), methods=["GET"]),
+                Route("/get_server_info", self.info, methods=["GET"]),
+                Route("/mori/hints", self.hints, methods=["POST"]),
+                Route("/abort_request", self.abort, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            ]
+        )
+
+    async def info(self, request: Request) -> Response:
+        return JSONResponse({"max_total_num_tokens": 50_000, "hicache_host_tokens": 100_000})
+
+    async def hints(self, request: Request) -> Response:
+        self.hint_calls += 1
+        if self.hints_status != 200:
+            return JSONResponse({"detail": "nope"}, status_code=self.hints_status)
+        body = await request.json()
+        return JSONResponse({"epoch": body["epoch"], "stale": False, "residency": {}})
+
+    async def abort(self, request: Request) -> Response:
+        self.aborts.append((await request.json())["rid"])
+        return JSONResponse({})
+
+    async def chat(self, request: Request) -> Response:
+        import asyncio
+
+        body = await request.json()
+        usage = {
+            "prompt_tokens": 5,
+            "completion_tokens": self.tokens,
+            "total_tokens": 5 + self.tokens,
+        }
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "ok"}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            doc = {"id": body["rid"], "object": "chat.completion", "created": 0, "model": "m"}
+            return JSONResponse({**doc, "choices": [choice], "usage": usage})
+
+        async def events():
+            for _ in range(self.tokens):
+                delta = {"index": 0, "delta": {"content": "x"}, "finish_reason": None}
+                yield "data: " + json.dumps({"id": body["rid"], "choices": [delta]}) + "\n\n"
+                await asyncio.sleep(self.delay_s)
+            yield "data: " + json.dumps({"id": body["rid"], "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@contextlib.contextmanager
+def serve(replica: ScriptedReplica) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(replica.app, port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+@pytest.mark.parametrize(("status", "result"), [(500, "error"), (404, "unsupported")])
+def test_hint_endpoint_failures_do_not_stop_serving(status, result):
+    replica = ScriptedReplica(hints_status=status)
+    with serve(replica) as url, router([url]) as base:
+        c = client(base)
+        for i in range(3):
+            assert c.chat.completions.create(**chat(f"h{i}")).choices[0].message.content
+        deadline = time.monotonic() + 5
+        while metric(base, "mori_hint_pushes_total", result=result) < 1:
+            assert time.monotonic() < deadline, "no hint push was attempted"
+            time.sleep(0.05)
+        unsupported = metric(base, "mori_hint_unsupported_total")
+        assert (unsupported >= 1) is (status == 404)
+        assert _healthy(base) == {url: True}
+        assert_clean(base)
+    if status == 404:  # after the first 404 only the periodic full sync retries
+        assert replica.hint_calls <= 3
+
+
+def test_client_disconnect_while_gated():
+    with emulator() as (url, _):
+        spec = {"url": url, "gpu_tokens": 3000, "cpu_tokens": 0}
+        with router([spec], gate_timeout_s=30.0) as base:
+            big = "word " * 1600
+            client(base).chat.completions.create(**chat("holder", big))
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(
+                    base + "/v1/chat/completions",
+                    json={**chat("leaver", big), **chat("leaver", big)["extra_body"]},
+                    timeout=0.5,
+                )
+            view = assert_clean(base)
+            leaver = next(p for p in view["data"] if p["program_id"] == "leaver")
+            assert leaver["status"] == "acting" and leaver["steps"] == 0
+            assert metric(base, "mori_requests_total", outcome="client_disconnect") == 1
+            # the holder's next step and the leaver's (once room exists) still work
+            httpx.post(base + "/v1/programs/holder/end").raise_for_status()
+            assert client(base).chat.completions.create(**chat("leaver", big)).choices
+
+
+def test_client_disconnect_mid_stream_aborts_the_engine_request():
+    replica = ScriptedReplica(tokens=200, delay_s=0.02)
+    with serve(replica) as url, router([url]) as base:
+        body = {**chat("quitter"), **chat("quitter")["extra_body"], "stream": True}
+        body.pop("extra_body")
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break
+        deadline = time.monotonic() + 5
+        while not replica.aborts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(replica.aborts) == 1
+        assert metric(base, "mori_requests_total", outcome="client_disconnect") == 1
+        view = assert_clean(base)
+        assert view["data"][0]["steps"] == 1  # the cut step still ended the reasoning interval
+        assert client(base).chat.completions.create(**chat("quitter", "again")).choices
+
+
+def test_client_disconnect_mid_stream_on_emulator():
+    with emulator(*SLOW) as (url, _), router([url]) as base:
+        body = {**chat("gone", max_tokens=400), "stream": True, "program_id": "gone"}
+        body.pop("extra_body")
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        assert_clean(base)
+        assert programs(base)["data"][0]["steps"] == 1
+        assert client(base).chat.completions.create(**chat("gone", "back")).choices
