@@ -1,0 +1,358 @@
+"""Closed-loop live replay of an agent trace against an OpenAI endpoint (MORI 6.1).
+
+`concurrency` clients each replay one program over HTTP with the OpenAI SDK: send a step,
+wait for the whole (streamed) answer, sleep the step's `tool_s`, send the next step; then
+take the next program of the corpus (shuffled once by the seed, cycled). A program's
+subagents run as extra clients from their `start_s`. Prompts are synthesised by
+`router.replay.prompts` so each step repeats the previous call as its prefix.
+
+It measures what `mori sim` measures, as `StepRecord`s reduced by `summarize`: TTFT is
+taken at the first content chunk on the client side (so router gating counts), cached
+tokens come from the answer's usage. Times are on the *trace* clock, wall seconds times
+`time_scale` (a replay at --time-scale 10 against emulators started with --time-scale 10
+reports the same numbers as one run in real time), so results compare with `mori sim`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import openai
+
+from router.replay.prompts import Conversation
+from router.replay.records import RunResult, StepRecord, summarize
+from router.replay.trace import TraceProgram, TraceStep
+from router.sim.simulator import scale_program
+
+UTIL_SAMPLE_S = 1.0  # wall seconds between GPU-utilisation samples
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """One live run. `duration_s` is wall time; everything reported is on the trace clock."""
+
+    endpoint: str  # base URL of the OpenAI API (with or without /v1)
+    concurrency: int = 8
+    duration_s: float = 60.0
+    time_scale: float = 1.0
+    token_scale: float = 1.0
+    seed: int = 0
+    policy_label: str = "unknown"
+    cpu_ratio: float = 0.0  # only labels the result row
+    model: str | None = None  # None: the endpoint's first model
+    api_key: str = "none"
+    start_jitter_s: float = 5.0  # trace seconds over which clients start
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "concurrency": self.concurrency >= 1,
+            "duration_s": self.duration_s > 0,
+            "time_scale": self.time_scale > 0,
+            "token_scale": self.token_scale > 0,
+            "start_jitter_s": self.start_jitter_s >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} out of range: {getattr(self, name)}")
+
+    @property
+    def base_url(self) -> str:
+        """The server root (no /v1)."""
+        url = self.endpoint.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass
+class Progress:
+    """Running totals a progress bar can show."""
+
+    steps: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+    programs_done: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class Replay:
+    """One live run; `await run()` returns (RunResult, records)."""
+
+    def __init__(self, corpus: list[TraceProgram], config: ReplayConfig) -> None:
+        if not corpus:
+            raise ValueError("empty corpus")
+        self.config = config
+        programs = [scale_program(p, config.token_scale) for p in corpus]
+        self.children: dict[str, list[TraceProgram]] = {}
+        for p in programs:
+            if p.parent_id is not None:
+                self.children.setdefault(p.parent_id, []).append(p)
+        self.mains = [p for p in programs if p.parent_id is None]
+        if not self.mains:
+            raise ValueError("corpus has no main program (every program has a parent_id)")
+        self.rng = random.Random(config.seed)
+        self.rng.shuffle(self.mains)
+        self.cursor = itertools.count()
+        self.instances = itertools.count()
+        self.run_tag = uuid.uuid4().hex[:6]  # program ids never collide with an earlier run
+        self.records: list[StepRecord] = []
+        self.progress = Progress()
+        self._t0 = 0.0
+        self._util: list[float] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._live: set[str] = set()  # programs started and not ended
+        self._crash: BaseException | None = None
+
+    # clock ------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Trace seconds since the start of the run."""
+        return (time.monotonic() - self._t0) * self.config.time_scale
+
+    async def _sleep_trace(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds / self.config.time_scale)
+
+    # run --------------------------------------------------------------------------------
+    async def run(self, on_tick: Callable[[float], None] | None = None) -> RunResult:
+        """Replay for `duration_s` wall seconds; `on_tick(fraction)` about once a second."""
+        cfg = self.config
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with (
+            httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http,
+            openai.AsyncOpenAI(
+                base_url=cfg.base_url + "/v1",
+                api_key=cfg.api_key,
+                http_client=http,
+                max_retries=0,
+            ) as api,
+        ):
+            self.http, self.api = http, api
+            self.model = cfg.model or await self._first_model()
+            self._t0 = time.monotonic()
+            for _ in range(cfg.concurrency):
+                self._spawn(self._slot(self.rng.uniform(0, cfg.start_jitter_s)))
+            sampler = asyncio.create_task(self._sample_util())
+            try:
+                while (elapsed := time.monotonic() - self._t0) < cfg.duration_s:
+                    if self._crash is not None:
+                        raise RuntimeError("a replay client crashed") from self._crash
+                    if on_tick is not None:
+                        on_tick(elapsed / cfg.duration_s)
+                    await asyncio.sleep(min(1.0, cfg.duration_s - elapsed))
+            finally:
+                sampler.cancel()
+                await self._cancel_all()
+        if on_tick is not None:
+            on_tick(1.0)
+        return self.result()
+
+    def result(self) -> RunResult:
+        cfg = self.config
+        trace_duration = cfg.duration_s * cfg.time_scale
+        util = sum(self._util) / len(self._util) if self._util else 0.0
+        extra = {
+            "endpoint": cfg.endpoint,
+            "mode": "live",
+            "token_scale": cfg.token_scale,
+            "time_scale": cfg.time_scale,
+            "duration_s": trace_duration,
+            "wall_s": cfg.duration_s,
+            "seed": cfg.seed,
+            "failed_steps": sum(not r.ok for r in self.records),
+        }
+        return summarize(
+            self.records,
+            trace_duration,
+            policy=cfg.policy_label,
+            concurrency=cfg.concurrency,
+            cpu_ratio=cfg.cpu_ratio,
+            gpu_util=util,
+            extra=extra,
+        )
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task) -> None:
+        """A client that crashed (a bug, not a failed request) stops the run loudly."""
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._crash is None:
+            self._crash = task.exception()
+
+    async def _cancel_all(self) -> None:
+        """Stop every client, then end the programs they left half-way."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(self._end(pid) for pid in self._live), return_exceptions=True)
+
+    async def _first_model(self) -> str:
+        try:
+            models = await self.api.models.list()
+        except openai.OpenAIError as e:
+            raise ConnectionError(f"cannot list models at {self.config.endpoint}: {e}") from e
+        if not models.data:
+            raise ConnectionError(f"{self.config.endpoint}/v1/models lists no model")
+        return models.data[0].id
+
+    # clients ----------------------------------------------------------------------------
+    async def _slot(self, delay: float) -> None:
+        """One closed-loop client: programs back to back for the whole run."""
+        await self._sleep_trace(delay)
+        while True:
+            program = self.mains[next(self.cursor) % len(self.mains)]
+            await self._program(program)
+
+    async def _program(self, program: TraceProgram) -> None:
+        pid = f"{self.run_tag}-{program.program_id}.{next(self.instances)}"
+        for child in self.children.get(program.program_id, ()):
+            self._spawn(self._subagent(child))
+        conversation = Conversation(pid, program.agent, program.anchor_tokens, self.config.seed)
+        self._live.add(pid)
+        for i, step in enumerate(program.steps):
+            reused = step.reused_tokens if i else 0
+            messages = conversation.next_messages(step.input_tokens, reused)
+            conversation.record_answer(await self._step(pid, step, messages))
+            await self._sleep_trace(step.tool_s)
+        self._live.discard(pid)
+        self._spawn(self._end(pid))
+        self.progress.programs_done += 1
+
+    async def _subagent(self, program: TraceProgram) -> None:
+        await self._sleep_trace(program.start_s)
+        await self._program(program)
+
+    async def _end(self, pid: str) -> None:
+        """Tell a router the program is over (an engine without the endpoint: ignored)."""
+        url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/end"
+        with contextlib.suppress(httpx.HTTPError):
+            await self.http.post(url, timeout=5.0)
+
+    async def _step(self, pid: str, step: TraceStep, messages: list[dict]) -> str:
+        """Send one step, stream the answer, record it; returns the answer's text."""
+        arrival = self.now()
+        first: float | None = None
+        parts: list[str] = []
+        usage: Any = None
+        replica = None
+        try:
+            raw = await self.api.chat.completions.with_raw_response.create(
+                model=self.model,
+                messages=messages,
+                max_tokens=max(1, step.output_tokens),
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "program_id": pid},
+            )
+            replica = raw.headers.get("x-mori-replica")
+            async for chunk in raw.parse():
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if first is None:
+                        first = self.now()
+                    parts.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        except (openai.OpenAIError, httpx.HTTPError) as e:
+            self._fail(pid, step, arrival, replica, e)
+            return "".join(parts)
+        finish = self.now()
+        cached_device, cached_host = cached_split(usage)
+        output = usage.completion_tokens if usage is not None else len(parts)
+        self.records.append(
+            StepRecord(
+                program_id=pid,
+                replica=replica,
+                arrival_s=arrival,
+                first_token_s=first if first is not None else finish,
+                finish_s=finish,
+                input_tokens=usage.prompt_tokens if usage is not None else step.input_tokens,
+                output_tokens=output,
+                cached_device=cached_device,
+                cached_host=cached_host,
+            )
+        )
+        self.progress.steps += 1
+        self.progress.output_tokens += output
+        return "".join(parts)
+
+    def _fail(self, pid: str, step: TraceStep, arrival: float, replica, error: Exception) -> None:
+        now = self.now()
+        self.records.append(
+            StepRecord(pid, replica, arrival, now, now, step.input_tokens, 0, ok=False)
+        )
+        kind = type(error).__name__
+        status = getattr(error, "status_code", None)
+        key = f"{kind} {status}" if status else kind
+        self.progress.failed += 1
+        self.progress.errors[key] = self.progress.errors.get(key, 0) + 1
+
+    # GPU utilisation ----------------------------------------------------------------------
+    async def _sample_util(self) -> None:
+        """Time-average share of device KV held by running requests (what `mori sim`
+        reports), read from each replica's /mori/residency; replicas are found through
+        the router's /v1/replicas, or the endpoint is itself a replica. No source: 0."""
+        urls = await self._replica_urls()
+        while urls:
+            await asyncio.sleep(UTIL_SAMPLE_S)
+            sample = await self._util_sample(urls)
+            if sample is not None:
+                self._util.append(sample)
+
+    async def _replica_urls(self) -> list[str]:
+        base = self.config.base_url
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            r = await self.http.get(base + "/v1/replicas", timeout=5.0)
+            if r.status_code == 200:
+                return [row["url"].rstrip("/") for row in r.json()["data"]]
+        with contextlib.suppress(httpx.HTTPError):
+            r = await self.http.get(base + "/mori/residency", timeout=5.0)
+            if r.status_code == 200:
+                return [base]
+        return []
+
+    async def _util_sample(self, urls: list[str]) -> float | None:
+        active = capacity = 0
+        for url in urls:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                doc = (await self.http.get(url + "/mori/residency", timeout=5.0)).json()
+                active += int(doc.get("device_active_tokens", doc["device_used_tokens"]))
+                capacity += int(doc["device_capacity_tokens"])
+        return active / capacity if capacity else None
+
+
+def cached_split(usage: Any) -> tuple[int, int]:
+    """(device, host) cached prompt tokens from an OpenAI usage object (SGLang's fields);
+    a server that reports only `cached_tokens` counts them as device hits."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    if details is None:
+        return 0, 0
+    split = getattr(details, "cached_tokens_details", None)
+    if split is None and getattr(usage, "model_extra", None):
+        split = usage.model_extra.get("cached_tokens_details")
+    if isinstance(split, dict):
+        return int(split.get("device") or 0), int(split.get("host") or 0)
+    return int(getattr(details, "cached_tokens", 0) or 0), 0
+
+
+async def replay(
+    corpus: list[TraceProgram],
+    config: ReplayConfig,
+    on_tick: Callable[[float], None] | None = None,
+) -> tuple[RunResult, list[StepRecord], Progress]:
+    """Run one live replay; the records and running totals come back with the result."""
+    run = Replay(corpus, config)
+    result = await run.run(on_tick)
+    return result, run.records, run.progress
