@@ -243,6 +243,18 @@ def test_phase_mismatch_swaps_a_clearly_more_idle_program():
     assert policy.route("p") == "r0"
 
 
+def test_room_left_over_by_a_swap_is_filled_in_the_same_tick():
+    policy = make(replicas=2)
+    _swap_scene(policy)
+    policy.on_request("n", 3.3, 400)  # new: never swaps anyone in, but may use what is left
+    moves = policy.tick(63.2)
+    assert [(m.program_id, m.reason) for m in moves] == [
+        ("v", MoveReason.DEMOTE),
+        ("p", MoveReason.PROMOTE_WAITING),
+        ("n", MoveReason.PROMOTE_NEW),
+    ]
+
+
 def test_hysteresis_no_churn_on_small_idleness_difference():
     policy = make(replicas=2, hysteresis=0.2)
     _swap_scene(policy)

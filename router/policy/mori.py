@@ -176,6 +176,7 @@ class MoriPolicy(Policy):
                 moves += self._displace(p, r, free, victims, MoveReason.PROMOTE_CPU, now)
         unplaced = self._pack_waiting(returning + new, free, now, moves)
         if displace:
+            packed = len(moves)
             for p in unplaced:
                 if p.steps > 0:
                     for r in self._displace_order(p, free):
@@ -183,6 +184,8 @@ class MoriPolicy(Policy):
                         if swap:
                             moves += swap
                             break
+            if len(moves) > packed:  # a swap may free more than it took: fill the rest
+                moves += self._promote(now)
         return moves
 
     def _room(self, p: Program, free: dict[str, int], widest: int) -> int:
