@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
+[[ "${MORI_SKIP_SGLANG:-0}" == 1 ]] || scripts/install_sglang_cpu.sh  # real engine for -m sglang tests
 python3 -m pytest -q "$@"

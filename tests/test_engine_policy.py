@@ -192,3 +192,37 @@ def test_load_back_plan_picks_deepest_host_nodes():
         view("qonly", 2, {"q"}, dev=False),
     ]
     assert sorted(load_back_plan("p", views)) == ["h2", "h3"]
+
+
+def test_launcher_adds_mori_flags_and_passes_the_rest_through():
+    from engine_patches.launch import build_argv
+
+    argv = build_argv(["--model-path", "m", "--port", "9", "--hicache-ratio", "2"])
+    assert argv[:6] == ["--model-path", "m", "--port", "9", "--hicache-ratio", "2"]
+    assert "--enable-hierarchical-cache" in argv
+    assert argv[argv.index("--hicache-write-policy") + 1] == "write_through"
+    assert argv[argv.index("--radix-eviction-policy") + 1] == "mori"
+    same = ["--radix-eviction-policy=mori", "--enable-hierarchical-cache"]
+    assert build_argv(same).count("--enable-hierarchical-cache") == 1
+
+
+def test_launcher_rejects_flags_that_break_mori(capsys):
+    from engine_patches.launch import LaunchError, build_argv, main
+
+    for bad in (
+        ["--hicache-write-policy", "write_back"],
+        ["--radix-eviction-policy=lru"],
+        ["--enable-session-radix-cache"],
+    ):
+        with pytest.raises(LaunchError):
+            build_argv(bad)
+    assert main(["--radix-eviction-policy", "lru"]) == 2  # one clear line, no traceback
+    assert capsys.readouterr().err.startswith("mori-sglang: error: ")
+
+
+def test_launcher_keeps_plugin_whitelist_working():
+    from engine_patches.launch import plugin_env
+
+    assert plugin_env({}) == {}
+    assert plugin_env({"SGLANG_PLUGINS": "other"}) == {"SGLANG_PLUGINS": "other,mori"}
+    assert plugin_env({"SGLANG_PLUGINS": "mori"}) == {}
