@@ -210,6 +210,7 @@ class ReplicaEngine:
         self._active = 0  # device tokens reserved by running requests
         self._pcie_free_at = 0.0
         self._protected: str | None = None  # program being admitted: its hits are locked
+        self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_tokens": 0, "loaded_tokens": 0}
 
     # protocol ---------------------------------------------------------------------------
     def submit(
@@ -293,6 +294,7 @@ class ReplicaEngine:
         return (e.dev, e.host) if e else (0, 0)
 
     def usage(self) -> dict:
+        """Capacities and occupancy now; `stats` holds cumulative busy times and tokens."""
         return {
             "device_capacity_tokens": self.gpu_tokens,
             "host_capacity_tokens": self.host_tokens,
@@ -336,6 +338,7 @@ class ReplicaEngine:
         batch = self._admit(self._t)
         if batch:
             self._phase = _Prefill(self._prefill_end(batch, self._t), batch)
+            self.stats["prefill_s"] += self._phase.end - self._t
         elif self._running:
             batch_n = len(self._running)
             a, b = self.cost.step_coeffs(batch_n)
@@ -365,6 +368,7 @@ class ReplicaEngine:
                 self._running.append(req)
 
     def _end_decode(self, phase: _Decode) -> None:
+        self.stats["decode_s"] += phase.end - self._t
         self._t = phase.end
         still = []
         for req in self._running:
@@ -440,6 +444,8 @@ class ReplicaEngine:
         for req in batch:
             prefix = req.dev_hit + req.host_hit
             compute += self.cost.prefill_s(req.input_tokens - prefix, prefix)
+            self.stats["prefill_tokens"] += req.input_tokens - prefix
+            self.stats["loaded_tokens"] += req.host_hit
             ready = max(ready, self._entries[req.program_id].ready_at)
             if req.host_hit:
                 self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(req.host_hit)
@@ -541,6 +547,7 @@ class ReplicaEngine:
         ):
             return
         self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(tokens)
+        self.stats["loaded_tokens"] += tokens
         e.ready_at = self._pcie_free_at
         e.prefetched += tokens
         self._set_dev(e, e.host)

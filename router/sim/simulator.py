@@ -89,6 +89,7 @@ class _Request:
     arrival: float
     step: TraceStep
     replica: str | None = None
+    forwarded: float = 0.0  # left the gate for an engine
     first_token: float | None = None
     cached: tuple[int, int] = (0, 0)
 
@@ -144,6 +145,8 @@ class Simulation:
         self.wake_at: float | None = None  # extra tick the policy asked for (next_wakeup)
         self._util_area = 0.0
         self._util_t = 0.0
+        self._running_area = 0.0
+        self._forwarded: list[_Request] = []
         self._build_policy_and_engines()
 
     def _build_policy_and_engines(self) -> None:
@@ -207,7 +210,14 @@ class Simulation:
         wall = time.perf_counter() - started
         capacity = len(self.engines) * self.preset.gpu_kv_tokens
         gpu_util = self._util_area / (cfg.duration_s * capacity)
+        stats = [e.stats for e in self.engines.values()]
+        waits = [r.forwarded - r.arrival for r in self._forwarded]
         extra = {
+            "gate_wait_mean_s": round(sum(waits) / len(waits), 3) if waits else 0.0,
+            "running_mean": round(self._running_area / cfg.duration_s / len(self.engines), 2),
+            "prefill_busy": round(sum(s["prefill_s"] for s in stats) / cfg.duration_s, 3),
+            "prefill_tokens": sum(s["prefill_tokens"] for s in stats),
+            "loaded_tokens": sum(s["loaded_tokens"] for s in stats),
             "preset": cfg.preset,
             "replicas": cfg.replicas,
             "token_scale": cfg.token_scale,
@@ -229,8 +239,9 @@ class Simulation:
 
     def _account_util(self, t: float) -> None:
         if t > self._util_t:
-            active = sum(e.usage()["device_active_tokens"] for e in self.engines.values())
-            self._util_area += (t - self._util_t) * active
+            usages = [e.usage() for e in self.engines.values()]
+            self._util_area += (t - self._util_t) * sum(u["device_active_tokens"] for u in usages)
+            self._running_area += (t - self._util_t) * sum(u["running"] for u in usages)
             self._util_t = t
 
     # clients -----------------------------------------------------------------------------
@@ -257,6 +268,8 @@ class Simulation:
             if replica is not None:
                 req = self.gated.pop(pid)
                 req.replica = replica
+                req.forwarded = self.now
+                self._forwarded.append(req)
                 self.inflight[req.rid] = req
                 st = req.step
                 engine = self.engines[replica]
