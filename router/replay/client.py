@@ -301,15 +301,19 @@ class Replay:
 
     # GPU utilisation ----------------------------------------------------------------------
     async def _sample_util(self) -> None:
-        """Time-average share of device KV held by running requests (what `mori sim`
-        reports), read from each replica's /mori/residency; replicas are found through
-        the router's /v1/replicas, or the endpoint is itself a replica. No source: 0."""
+        """GPU KV utilisation as `mori sim` reports it: the time-average share of device KV
+        held by running requests, read from each replica's /mori/residency (replicas found
+        through the router's /v1/replicas, or the endpoint is itself a replica). Emulators
+        report the exact integral (`device_active_token_seconds`); otherwise instantaneous
+        samples are averaged. No source: 0."""
         urls = await self._replica_urls()
+        first: dict | None = None
         while urls:
-            await asyncio.sleep(UTIL_SAMPLE_S)
             sample = await self._util_sample(urls)
             if sample is not None:
-                self._util.append(sample)
+                first = first or sample
+                self._util = _utilisation(first, sample, self._util)
+            await asyncio.sleep(UTIL_SAMPLE_S)
 
     async def _replica_urls(self) -> list[str]:
         base = self.config.base_url
@@ -323,14 +327,32 @@ class Replay:
                 return [base]
         return []
 
-    async def _util_sample(self, urls: list[str]) -> float | None:
-        active = capacity = 0
+    async def _util_sample(self, urls: list[str]) -> dict | None:
+        """Per replica: (active token-seconds or None, engine time, active, capacity)."""
+        rows = {}
         for url in urls:
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 doc = (await self.http.get(url + "/mori/residency", timeout=5.0)).json()
-                active += int(doc.get("device_active_tokens", doc["device_used_tokens"]))
-                capacity += int(doc["device_capacity_tokens"])
-        return active / capacity if capacity else None
+                active = int(doc.get("device_active_tokens", doc["device_used_tokens"]))
+                area = doc.get("device_active_token_seconds")
+                rows[url] = (
+                    area,
+                    doc.get("engine_time_s"),
+                    active,
+                    int(doc["device_capacity_tokens"]),
+                )
+        return rows or None
+
+
+def _utilisation(first: dict, last: dict, samples: list[float]) -> list[float]:
+    """Exact share from the integrals when every replica reports one, else one more
+    instantaneous sample appended to `samples`."""
+    if all(r[0] is not None for r in last.values()) and set(first) == set(last):
+        area = sum(last[u][0] - first[u][0] for u in last)
+        span = sum((last[u][1] - first[u][1]) * last[u][3] for u in last)
+        return [area / span] if span > 0 else samples
+    capacity = sum(r[3] for r in last.values())
+    return [*samples, sum(r[2] for r in last.values()) / capacity] if capacity else samples
 
 
 def cached_split(usage: Any) -> tuple[int, int]:

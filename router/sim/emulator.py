@@ -213,6 +213,16 @@ class EmulatedReplica:
         self.contexts: OrderedDict[str, str] = OrderedDict()
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
+        self._active_area = 0.0  # integral of device tokens held by running requests
+        self._area_t = 0.0
+
+    def _clock(self) -> float:
+        """The engine time for the next engine call, after accounting KV use up to it."""
+        now = self.now()
+        active = self.engine.usage()["device_active_tokens"]
+        self._active_area += max(0.0, now - self._area_t) * active
+        self._area_t = max(self._area_t, now)
+        return now
 
     def now(self) -> float:
         """The engine's clock: wall seconds since start times the time scale."""
@@ -236,7 +246,7 @@ class EmulatedReplica:
         return sleep
 
     def _step(self) -> None:
-        for event in self.engine.advance(self.now()):
+        for event in self.engine.advance(self._clock()):
             flight = self.flights.get(event.rid)
             if flight is None:
                 continue
@@ -270,7 +280,7 @@ class EmulatedReplica:
         while len(self.contexts) > PROGRAM_MEMORY:
             self.contexts.popitem(last=False)
         self.engine.submit(
-            job.rid, job.program_id, job.input_tokens, job.output_tokens, self.now(), reused
+            job.rid, job.program_id, job.input_tokens, job.output_tokens, self._clock(), reused
         )
         self._wake.set()
         return flight
@@ -279,7 +289,7 @@ class EmulatedReplica:
         flight = self.flights.get(rid)
         if flight is None or flight.done:
             return False
-        self.engine.abort(rid, self.now())
+        self.engine.abort(rid, self._clock())
         flight.aborted = flight.done = True
         flight.changed.set()
         self._wake.set()
@@ -306,7 +316,7 @@ class EmulatedReplica:
             return {"epoch": epoch, "stale": True, "residency": {}}
         self.epoch = epoch
         typed = {pid: Hint(h) for pid, h in hints.items()}
-        residency = self.engine.apply_hints(typed, self.now(), full)
+        residency = self.engine.apply_hints(typed, self._clock(), full)
         self._wake.set()
         return {
             "epoch": epoch,
@@ -318,7 +328,12 @@ class EmulatedReplica:
 
     def residency(self) -> dict:
         self._step()  # bring the engine up to now first
-        return {**self.engine.usage(), "programs": self.engine.programs()}
+        return {
+            **self.engine.usage(),
+            "device_active_token_seconds": self._active_area,
+            "engine_time_s": self._area_t,
+            "programs": self.engine.programs(),
+        }
 
 
 def _answer_text(job: Job) -> str:

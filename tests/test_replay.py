@@ -1,0 +1,170 @@
+"""Live replay: prompt synthesis, and `mori replay` against a real `mori emulate` over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+
+import pytest
+from openai.types import CompletionUsage
+
+from router.replay.client import Replay, ReplayConfig, cached_split
+from router.replay.prompts import Conversation, common_prefix_tokens, count_tokens, render_chat
+from router.replay.report import JSON_FIELDS
+from router.replay.trace import TraceProgram, TraceStep, dump_trace
+from tests.servers import free_port, mori, spawn
+
+STEPS = (
+    TraceStep(400, 20, 0, 0.5),
+    TraceStep(700, 30, 420, 0.3),
+    TraceStep(900, 10, 720, 0.0),
+)
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    port = free_port()
+    argv = mori("emulate", "--port", str(port), "--time-scale", "20", "--gpu-tokens", "40000")
+    with spawn(argv, port):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    programs = [
+        TraceProgram("main-a", STEPS, agent="main", anchor_tokens=200),
+        TraceProgram("main-b", STEPS[:2] + (TraceStep(800, 5, 0, 0.0),), agent="main"),
+        TraceProgram(
+            "child",
+            (TraceStep(300, 8, 0, 0.2), TraceStep(350, 8, 300, 0.0)),
+            parent_id="main-a",
+            start_s=0.5,
+            agent="explore",
+        ),
+    ]
+    path = tmp_path / "corpus.jsonl"
+    dump_trace(programs, path)
+    return path, programs
+
+
+def test_conversation_sizes_prompts_and_repeats_the_previous_call():
+    conv = Conversation("p", agent="main", anchor_tokens=100)
+    first = conv.next_messages(400, 0)
+    assert count_tokens(render_chat(first)) == 400
+    answer = "abcd" * 20
+    conv.record_answer(answer)
+    second = conv.next_messages(700, 420)
+    assert count_tokens(render_chat(second)) == 700
+    previous = render_chat(first + [{"role": "assistant", "content": answer}])
+    assert render_chat(second).startswith(previous)
+
+
+def test_conversation_compaction_keeps_only_the_reused_prefix():
+    conv = Conversation("p")
+    first = conv.next_messages(3000, 0)
+    conv.record_answer("xyz " * 10)
+    second = conv.next_messages(1200, 1000)
+    shared = common_prefix_tokens(render_chat(first), render_chat(second))
+    assert 990 <= shared <= 1000
+    assert count_tokens(render_chat(second)) == 1200
+
+
+def test_same_agent_shares_the_anchor_prefix_only():
+    a = render_chat(Conversation("a", "main", 300).next_messages(600, 0))
+    b = render_chat(Conversation("b", "main", 300).next_messages(600, 0))
+    c = render_chat(Conversation("c", "other", 300).next_messages(600, 0))
+    assert 295 <= common_prefix_tokens(a, b) <= 302
+    assert common_prefix_tokens(a, c) < 5
+
+
+def test_cached_split_reads_sglang_and_plain_usage():
+    usage = CompletionUsage.model_validate(
+        {
+            "prompt_tokens": 100,
+            "completion_tokens": 5,
+            "total_tokens": 105,
+            "prompt_tokens_details": {
+                "cached_tokens": 70,
+                "cached_tokens_details": {"device": 50, "host": 20},
+            },
+        }
+    )
+    assert cached_split(usage) == (50, 20)
+    plain = CompletionUsage.model_validate(
+        {
+            "prompt_tokens": 10,
+            "completion_tokens": 1,
+            "total_tokens": 11,
+            "prompt_tokens_details": {"cached_tokens": 7},
+        }
+    )
+    assert cached_split(plain) == (7, 0)
+    assert cached_split(None) == (0, 0)
+
+
+def test_replay_against_emulator_records_steps_and_cache_hits(emulator, corpus_file):
+    _, programs = corpus_file
+    config = ReplayConfig(
+        emulator,
+        concurrency=2,
+        duration_s=3.0,
+        time_scale=20,
+        start_jitter_s=0.0,
+        policy_label="direct",
+    )
+    run = Replay(programs, config)
+    result = asyncio.run(run.run())
+    ok = [r for r in run.records if r.ok]
+    assert len(ok) >= 6 and not run.progress.errors
+    instances = {r.program_id for r in ok}
+    assert any("child" in pid for pid in instances), "subagents run as extra clients"
+    assert all(r.arrival_s <= r.first_token_s <= r.finish_s for r in ok)
+    later = [r for r in ok if r.input_tokens in (700, 900)]
+    assert later and all(r.cached_device > 0 for r in later), "prefix reuse reaches the engine"
+    assert {r.output_tokens for r in ok} <= {20, 30, 10, 5, 8}
+    assert result.output_tok_s > 0 and result.hit_device > 0.3
+    assert result.extra["duration_s"] == pytest.approx(60.0)
+    assert 0 < result.gpu_util < 1
+
+
+def test_replay_cli_writes_the_sim_json_shape(emulator, corpus_file, tmp_path):
+    path, _ = corpus_file
+    out = tmp_path / "live.json"
+    argv = mori(
+        "replay",
+        str(path),
+        "--endpoint",
+        emulator + "/v1",
+        "--concurrency",
+        "2",
+        "--duration",
+        "2",
+        "--time-scale",
+        "20",
+        "--json",
+        str(out),
+        "--policy-label",
+        "direct",
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(out.read_text())
+    row = doc["results"][0]
+    assert set(JSON_FIELDS) <= set(row)
+    assert row["policy"] == "direct" and row["concurrency"] == 2 and row["output_tok_s"] > 0
+    for suffix in (".csv", ".steps.csv", "-throughput.png", "-ttft.png"):
+        assert (tmp_path / f"live{suffix}").stat().st_size > 0
+
+
+def test_replay_cli_rejects_bad_input(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"program_id": "x", "steps": []}\n')
+    done = subprocess.run(mori("replay", str(bad)), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "at least one step" in done.stdout
+    port = free_port()
+    good = tmp_path / "good.jsonl"
+    dump_trace([TraceProgram("p", STEPS)], good)
+    argv = mori("replay", str(good), "--endpoint", f"http://127.0.0.1:{port}", "--duration", "1")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "cannot list models" in done.stdout
