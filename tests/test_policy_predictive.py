@@ -123,6 +123,7 @@ def test_promotion_ahead_of_predicted_end_loads_the_kv_back():
     assert policy.hint_updates()["r0"]["a"] is Hint.BUSY  # the engine loads it back now
     policy.on_request("a", predicted_end, 600)
     assert policy.route("a") == "r0"  # no gate wait at all
+    assert policy.outcomes["back_after_predicted_promotion"] == 1
 
 
 def test_no_predictive_promotion_without_free_room():
@@ -153,6 +154,7 @@ def test_early_return_falls_back_to_normal_promotion():
     _offloaded(policy)
     moves = policy.on_request("a", 6.0, 600)  # back after 4 s, prediction said 30 s
     assert by_reason(moves, MoveReason.ADMIT) == ["a"] and policy.route("a") == "r0"
+    assert policy.outcomes == {"offload_at_tool_start": 1, "back_while_on_cpu": 1}
     stats = policy.predictor.error_stats()["shell_long"]
     assert stats.n == 1 and stats.abs_p50_s == pytest.approx(26.0)
     assert policy.next_wakeup(6.0) is None

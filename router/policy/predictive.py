@@ -10,8 +10,9 @@ by a forecast of each tool call's duration (`router.policy.predictor`):
       benefit = (T_fc - T_transfer) * value,   T_transfer = 2 * load_s_per_token * context
 
   where `value` in [0, 1] is the share of the freed tokens that requests waiting at the
-  gate would fill right now. No waiting demand, no offload: an idle GPU copy costs
-  nothing when nobody wants the room.
+  gate (whose step fits in the window) would fill right now, and the window must be at
+  least `tick_s`. No waiting demand, no offload: an idle GPU copy costs nothing when
+  nobody wants the room.
 
 * **Predictive promotion**: shortly before a CPU program's predicted tool end (lead =
   load-back time + `predict_lead_s`) it is moved back to its GPU tier
@@ -29,6 +30,7 @@ checks, so MORI's own rebalance keeps its `tick_s` cadence.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from router.policy.base import PolicyConfig
@@ -38,6 +40,7 @@ from router.policy.program import Program
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
 _EPS = 1e-9
+DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
 
 
 @dataclass(slots=True)
@@ -67,6 +70,10 @@ class PredictivePolicy(MoriPolicy):
         self.calls: dict[str, ToolCall] = {}
         self.protected_until: dict[str, float] = {}  # predicted-promoted: safe from demotion
         self._next_rebalance_s = float("-inf")
+        self.step_s = DEFAULT_STEP_S  # EWMA of observed reasoning (engine) time per step
+        # What the predictions did, for reports: offloads, predicted promotions, and how
+        # offloaded programs came back (already on GPU, or before their promotion).
+        self.outcomes: Counter[str] = Counter()
 
     # cost model --------------------------------------------------------------------
     def load_s(self, p: Program) -> float:
@@ -81,21 +88,34 @@ class PredictivePolicy(MoriPolicy):
         return call.predicted_end_s - self.load_s(p) - self.config.predict_lead_s
 
     def offload_benefit(self, p: Program, predicted_s: float) -> tuple[float, float]:
-        """(benefit, cost) in seconds of Algorithm 1 for offloading `p` now."""
+        """(benefit, cost) in seconds of Algorithm 1 for offloading `p` now.
+
+        As in Tokencake, waiting work only counts if its step can finish inside the
+        window (`expected_step_s`): freeing room for a step that outlasts the tool call
+        just swaps two programs back and forth. And the window must last a tick: MORI's
+        tiers are sticky, so the room comes back to `p` only through a rebalance; for
+        shorter calls the measured effect was churn (docs/prediction.md)."""
         cost = 2.0 * self.load_s(p)
         window = predicted_s - cost
-        if window <= 0 or p.context_tokens <= 0:
+        if window < self.config.tick_s or p.context_tokens <= 0:
             return 0.0, cost
         replica = p.placement.replica
         free = max(0, self.tiers.free(Placement(Tier.GPU, replica)))
         room = free + p.context_tokens
         filled = 0
-        for tokens in sorted(q.context_tokens for q in self._gated_demand(replica)):
+        demand = (q for q in self._gated_demand(replica) if self.expected_step_s(q) <= window)
+        for tokens in sorted(q.context_tokens for q in demand):
             if filled + tokens > room:
                 break
             filled += tokens
         value = min(1.0, max(0, filled - free) / p.context_tokens)
         return window * value, cost
+
+    def expected_step_s(self, q: Program) -> float:
+        """How long q's next step should take: its recent mean, else the fleet's EWMA."""
+        if q.cycles:
+            return sum(r for r, _ in q.cycles) / len(q.cycles)
+        return self.step_s
 
     def _gated_demand(self, replica: str | None) -> list[Program]:
         """Programs whose request waits at the gate and could run on `replica`."""
@@ -137,6 +157,7 @@ class PredictivePolicy(MoriPolicy):
         cpu = Placement(Tier.CPU, p.placement.replica)
         if benefit <= cost or not self.tiers.fits(cpu, p.context_tokens):
             return []
+        self.outcomes["offload_at_tool_start"] += 1
         return [self._move(p, cpu, MoveReason.OFFLOAD_TOOL, now)] + self._promote(now)
 
     def on_tool_end(self, program_id: str, now: float) -> list[Move]:
@@ -153,12 +174,25 @@ class PredictivePolicy(MoriPolicy):
             cpu_moves.append(self._move(p, gpu, MoveReason.PROMOTE_CPU, now))
         return cpu_moves
 
+    def on_response(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        moves = super().on_response(program_id, now, context_tokens)
+        p = self.programs.get(program_id)
+        if p is not None and p.status is Status.ACTING:
+            a = self.config.ewma_alpha
+            self.step_s = a * p.reasoning_s + (1 - a) * self.step_s
+        return moves
+
     def on_request(
         self, program_id: str, now: float, context_tokens: int | None = None
     ) -> list[Move]:
         call = self.calls.pop(program_id, None)
         if call is not None and call.ended_s is None:
             self._observe(call, now)
+        p = self.programs.get(program_id)
+        if call is not None and p is not None:
+            self._count_return(call, p)
         self.protected_until.pop(program_id, None)
         return super().on_request(program_id, now, context_tokens)
 
@@ -217,6 +251,7 @@ class PredictivePolicy(MoriPolicy):
             if self._room_for(p, gpu):
                 self.calls[p.program_id].promote_tried = True
                 self.protected_until[p.program_id] = predicted_end + self.config.predict_grace_s
+                self.outcomes["predicted_promotion"] += 1
                 moves.append(self._move(p, gpu, MoveReason.PROMOTE_PREDICTED, now))
         return moves
 
@@ -233,8 +268,17 @@ class PredictivePolicy(MoriPolicy):
                 continue
             if self._gated_demand(p.placement.replica):
                 cpu = self._fit_or_waiting(Placement(Tier.CPU, p.placement.replica), p)
+                self.outcomes["overdue_demotion"] += 1
                 moves.append(self._move(p, cpu, MoveReason.DEMOTE, now))
         return moves + (self._promote(now) if moves else [])
+
+    def _count_return(self, call: ToolCall, p: Program) -> None:
+        """How a program came back from a tool call: still on CPU (its request waits for a
+        load-back), or already on GPU thanks to a predictive promotion."""
+        if p.placement.tier is Tier.CPU:
+            self.outcomes["back_while_on_cpu"] += 1
+        elif call.promote_tried:
+            self.outcomes["back_after_predicted_promotion"] += 1
 
     def _observe(self, call: ToolCall, now: float) -> None:
         self.predictor.observe(call.agent, call.tool, now - call.start_s, call.predicted_s)
