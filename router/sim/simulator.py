@@ -223,6 +223,8 @@ class Simulation:
             "token_scale": cfg.token_scale,
             "duration_s": cfg.duration_s,
             "seed": cfg.seed,
+            "window": self.policy.config.window,
+            "tick_s": self.policy.config.tick_s,
             "moves": self.moves,
             "failed_steps": sum(not r.ok for r in self.records),
             "sim_wall_s": round(wall, 3),
