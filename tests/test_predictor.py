@@ -131,6 +131,8 @@ def test_tool_kind():
     assert tool_kind("Task") == "subagent"
     assert tool_kind("human") == "human"
     assert tool_kind("unknown") == "unknown"
+    assert tool_kind("pytest") == "shell_long"  # a bare command word (router labels)
+    assert tool_kind("cat") == "shell_fast"
 
 
 def test_error_stats_per_kind():

@@ -67,11 +67,11 @@ def tool_kind(tool: str) -> str:
     """The kind of a tool key ("Bash:pytest" -> "shell_long", "Read" -> "file")."""
     base, _, sub = tool.partition(":")
     kind = KIND_OF_NAME.get(base.strip().lower(), "unknown")
-    if kind == "shell" and sub:
-        if sub in SHELL_FAST:
-            return "shell_fast"
-        if sub in SHELL_LONG:
-            return "shell_long"
+    word = sub if kind == "shell" else base if kind == "unknown" else ""  # "pytest" alone too
+    if word in SHELL_FAST:
+        return "shell_fast"
+    if word in SHELL_LONG:
+        return "shell_long"
     return kind
 
 
