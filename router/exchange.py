@@ -264,7 +264,10 @@ class Exchange(Response):
 
     # sending ---------------------------------------------------------------------------
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [*headers, (b"x-mori-program-id", self.call.program_id.encode())]
+        out = [*headers, (b"x-mori-program-id", self.call.program_id.encode())]
+        if self.replica is not None:  # lets replay clients measure churn across replicas
+            out.append((b"x-mori-replica", self.replica.url.encode()))
+        return out
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
