@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -190,6 +189,22 @@ def test_router_settings_are_real_router_fields(kind: str, env: str) -> None:
     assert config.policy == router_env["MORI_POLICY"]
 
 
+def test_replica_budgets_can_come_from_the_env() -> None:
+    """docs/deployment.md: a YAML list in MORI_REPLICAS sets per-replica token budgets."""
+    compose = load_compose("gpu", env_example())
+    env = {
+        **compose["services"]["router"]["environment"],
+        "MORI_REPLICAS": "[{url: http://replica-0:30000, gpu_tokens: 300000, cpu_tokens: 600000},"
+        " {url: http://replica-1:30000}]",
+    }
+    config = load_config(mount_source(compose, "router", "/etc/mori/router.yaml"), env=env)
+    budgets = [(r.url, r.gpu_tokens, r.cpu_tokens) for r in config.replicas]
+    assert budgets == [
+        ("http://replica-0:30000", 300000, 600000),
+        ("http://replica-1:30000", None, None),
+    ]
+
+
 @pytest.mark.parametrize(("kind", "env"), CASES)
 def test_mori_commands_parse_with_the_real_cli(kind: str, env: str) -> None:
     compose = load_compose(kind, ENVS[env])
@@ -325,64 +340,77 @@ def test_dashboard_panels_are_well_formed() -> None:
 
 
 # --- against a running router ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def live_metrics() -> Iterator[dict[str, set[str]]]:
-    """Run the demo stack's emulator and router with the compose files' own arguments and
-    settings (ports and URLs made local), pass one agent turn through, read /metrics.
+def set_flag(argv: list[str], name: str, value: str) -> list[str]:
+    """argv with `name`'s value replaced (the flag must be there)."""
+    out = list(argv)
+    out[out.index(name) + 1] = value
+    return out
 
-    Yields sample name -> label names it carries (labels unknown while a family is empty)."""
-    demo = load_compose("demo")
-    emulate = argv_of(demo["services"]["replica-0"])
-    replica_port = free_port()
-    emulate[emulate.index("--port") + 1] = str(replica_port)
-    emulate[emulate.index("--host") + 1] = "127.0.0.1"
-    router_port = free_port()
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The demo stack without Docker: its emulator, router and replay service, each run with the
+    compose file's own arguments and settings (ports, URLs, paths made local, clocks x20).
+
+    Yields the replay's JSON result and the router's /metrics afterwards, as sample name ->
+    label names seen on it (empty while a family has no sample yet)."""
+    services = load_compose("demo")["services"]
+    replica_port, router_port = free_port(), free_port()
+    emulate = argv_of(services["replica-0"])
+    for name, value in [("--port", replica_port), ("--host", "127.0.0.1"), ("--time-scale", 20)]:
+        emulate = set_flag(emulate, name, str(value))
+    serve = set_flag(argv_of(services["router"]), "--config", str(REPO / "configs/router.yaml"))
     env = {
-        **demo["services"]["router"]["environment"],
+        **services["router"]["environment"],
         "MORI_REPLICAS": f"http://127.0.0.1:{replica_port}",
         "MORI_PORT": str(router_port),
         "MORI_HOST": "127.0.0.1",
         "MORI_TICK_S": "0.2",
         "MORI_LOG_LEVEL": "warning",
     }
-    serve = [*argv_of(demo["services"]["router"])]
-    serve[serve.index("/etc/mori/router.yaml")] = str(REPO / "configs/router.yaml")
-    with (
-        spawn(mori(*emulate), replica_port),
-        spawn(mori(*serve), router_port, env=env),
-    ):
-        base = f"http://127.0.0.1:{router_port}"
-        client = openai.OpenAI(base_url=base + "/v1", api_key="EMPTY", max_retries=0)
-        client.chat.completions.create(
-            model="any",
-            messages=[{"role": "user", "content": "list the files"}],
-            max_tokens=8,
-            extra_body={"program_id": "deploy-test"},
-        )
-        time.sleep(0.5)  # a tick or two: idleness observed, gauges refreshed
+    base = f"http://127.0.0.1:{router_port}"
+    out = tmp_path_factory.mktemp("replay") / "replay.json"
+    replay = argv_of(services["replay"])
+    for name, value in [
+        ("--endpoint", base),
+        ("--duration", 3),
+        ("--time-scale", 20),
+        ("--json", out),
+    ]:
+        replay = set_flag(replay, name, str(value))
+    with spawn(mori(*emulate), replica_port), spawn(mori(*serve), router_port, env=env):
+        done = subprocess.run(mori(*replay), cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        time.sleep(0.5)  # a tick or two after the last step: gauges refreshed
         text = httpx.get(base + "/metrics", timeout=5).text
     exported: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
-        suffixes = {
-            "counter": ["_total"],
-            "histogram": ["_bucket", "_sum", "_count"],
-        }.get(family.type, [""])
-        for suffix in suffixes:
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        for suffix in suffixes.get(family.type, [""]):
             exported.setdefault(family.name + suffix, set())
         for sample in family.samples:
             exported.setdefault(sample.name, set()).update(sample.labels)
-    yield exported
+    yield {"replay": json.loads(out.read_text()), "metrics": exported}
 
 
-def test_dashboard_uses_only_series_the_router_exports(live_metrics: dict[str, set[str]]) -> None:
+def test_demo_replay_runs_through_the_router(demo_run: dict[str, Any]) -> None:
+    (row,) = demo_run["replay"]["results"]
+    assert row["steps_s"] > 0 and row["output_tok_s"] > 0 and row["failed_steps"] == 0, row
+    assert row["policy"] == "mori" and row["time_scale"] == 20, row
+    assert demo_run["metrics"]["mori_requests_total"] == {"replica", "outcome"}
+
+
+def test_dashboard_uses_only_series_the_router_exports(demo_run: dict[str, Any]) -> None:
+    live_metrics = demo_run["metrics"]
     used = {name for expr in exprs() for name in _METRIC.findall(expr)}
     assert used, "the dashboard draws nothing"
     assert not used - live_metrics.keys(), f"not exported: {sorted(used - live_metrics.keys())}"
     assert not REQUIRED_SERIES - used, f"not drawn: {sorted(REQUIRED_SERIES - used)}"
 
 
-def test_dashboard_labels_exist_on_their_series(live_metrics: dict[str, set[str]]) -> None:
+def test_dashboard_labels_exist_on_their_series(demo_run: dict[str, Any]) -> None:
     """Every label a query groups by or matches on is carried by a series of that query."""
+    live_metrics = demo_run["metrics"]
     contract = docs_labels()
     for expr in exprs():
         names = set(_METRIC.findall(expr))
