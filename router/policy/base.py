@@ -183,10 +183,14 @@ class Policy(ABC):
     def tick(self, now: float) -> list[Move]:
         """Periodic rebalance: expire leases, then the policy's own rules."""
         moves: list[Move] = []
-        for p in list(self.programs.values()):
-            idle_for = now - p.last_active_s
-            if p.status is Status.ACTING and idle_for > self.config.lease_s:
-                moves += self.end(p.program_id, now, MoveReason.LEASE)
+        deadline, acting = now - self.config.lease_s, Status.ACTING
+        expired = [
+            pid
+            for pid, p in self.programs.items()
+            if p.last_active_s < deadline and p.status is acting
+        ]
+        for pid in expired:
+            moves += self.end(pid, now, MoveReason.LEASE)
         return moves + self._rebalance(now)
 
     # hints ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ a rule of the paper; the choices the paper leaves open are explained in docs/pol
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -177,13 +178,7 @@ class MoriPolicy(Policy):
         unplaced = self._pack_waiting(returning + new, free, now, moves)
         if displace:
             packed = len(moves)
-            for p in unplaced:
-                if p.steps > 0:
-                    for r in self._displace_order(p, free):
-                        swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
-                        if swap:
-                            moves += swap
-                            break
+            self._swap_returning([p for p in unplaced if p.steps > 0], free, victims, now, moves)
             if len(moves) > packed:  # a swap may free more than it took: fill the rest
                 moves += self._promote(now)
         return moves
@@ -234,13 +229,30 @@ class MoriPolicy(Policy):
         moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
         return True
 
-    def _displace_order(self, p: Program, free: dict[str, int]) -> list[str]:
-        """Replicas to try a swap on: the program's last replica first, then most room."""
+    def _swap_returning(
+        self,
+        ranked: list[Program],
+        free: dict[str, int],
+        victims: _VictimPool,
+        now: float,
+        moves: list[Move],
+    ) -> None:
+        """Class-2 swaps, least idle first, on the last replica first, then the roomiest.
+
+        Thresholds only rise along `ranked`, so the first request that clears no
+        replica's most idle victim ends the search for all that follow.
+        """
         order = sorted(free, key=free.__getitem__, reverse=True)
-        if p.last_replica in free:
-            order.remove(p.last_replica)
-            order.insert(0, p.last_replica)
-        return order
+        for p in ranked:
+            if victims.threshold(p) > victims.most_idle(order):
+                return
+            tries = [p.last_replica, *order] if p.last_replica in free else order
+            for r in tries:
+                swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
+                if swap:
+                    moves += swap
+                    order.sort(key=free.__getitem__, reverse=True)
+                    break
 
     def _displace(
         self,
@@ -264,30 +276,64 @@ class MoriPolicy(Policy):
 
 
 class _VictimPool:
-    """ACTING GPU programs per replica, most idle first, built on first use in a pass."""
+    """ACTING GPU programs per replica, most idle first, built on first use in a pass.
+
+    With token prefix sums, "the fewest most-idle victims freeing `needed` tokens, all
+    clearing the hysteresis bar" is one bisection, so hundreds of held requests can each
+    try every replica in a tick.
+    """
 
     def __init__(self, policy: MoriPolicy, idleness: Idleness, hysteresis: float) -> None:
         self._policy = policy
         self._idleness = idleness
         self._hysteresis = hysteresis
-        self._by_replica: dict[str, list[Program]] = {}
+        self._pools: dict[str, tuple[list[Program], list[float], list[int]]] = {}
+        self._start: dict[str, int] = {}  # victims before this index were taken already
+
+    def _pool(self, replica: str) -> tuple[list[Program], list[float], list[int]]:
+        pool = self._pools.get(replica)
+        if pool is None:
+            gpu = Placement(Tier.GPU, replica)
+            ranked = sorted(
+                (
+                    (self._idleness(q), q)
+                    for q in self._policy.tiers.members(gpu)
+                    if q.status is Status.ACTING
+                ),
+                key=lambda e: e[0],
+                reverse=True,
+            )
+            prefix = [0]
+            for _, q in ranked:
+                prefix.append(prefix[-1] + q.context_tokens)
+            pool = self._pools[replica] = ([q for _, q in ranked], [i for i, _ in ranked], prefix)
+            self._start[replica] = 0
+        return pool
+
+    def threshold(self, p: Program) -> float:
+        """The idleness a victim needs for `p` to swap it out (the hysteresis bar)."""
+        return self._idleness(p) + self._hysteresis
+
+    def most_idle(self, replicas: list[str]) -> float:
+        """The highest idleness of a victim still available on any of `replicas`."""
+        best = -1.0
+        for r in replicas:
+            _, idleness, _ = self._pool(r)
+            start = self._start[r]
+            if start < len(idleness) and idleness[start] > best:
+                best = idleness[start]
+        return best
 
     def take(self, replica: str, p: Program, needed: int) -> list[Program]:
         """Victims freeing `needed` tokens, each >= hysteresis more idle than `p`; [] if
         they cannot free enough (a partial swap would be churn for nothing)."""
-        pool = self._by_replica.get(replica)
-        if pool is None:
-            gpu = Placement(Tier.GPU, replica)
-            acting = (q for q in self._policy.tiers.members(gpu) if q.status is Status.ACTING)
-            pool = self._by_replica[replica] = sorted(acting, key=self._idleness, reverse=True)
-        threshold = self._idleness(p) + self._hysteresis
-        chosen, freed = [], 0
-        for q in pool:
-            if freed >= needed or self._idleness(q) < threshold:
-                break
-            chosen.append(q)
-            freed += q.context_tokens
-        if freed < needed:
+        threshold = self.threshold(p)
+        if threshold > 1.0 or needed <= 0:
             return []
-        del pool[: len(chosen)]
-        return chosen
+        programs, idleness, prefix = self._pool(replica)
+        start = self._start[replica]
+        end = bisect_left(prefix, prefix[start] + needed, lo=start)
+        if end >= len(prefix) or idleness[end - 1] < threshold:
+            return []
+        self._start[replica] = end
+        return programs[start:end]

@@ -32,6 +32,10 @@ class Program:
     demote_after_step: Placement | None = None  # lazy demotion target
     reasoning_s: float = 0.0  # reasoning time of the cycle in progress
     cycles: deque[tuple[float, float]] = field(default_factory=deque)  # (reasoning, acting)
+    # (reasoning, acting) summed over all cycles, and over those still in the window while
+    # a cycle is ongoing; None when `cycles` changed. Ranking 10 000 programs per tick
+    # needs idleness in O(1), not O(W).
+    _sums: tuple[float, float, float, float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -46,22 +50,32 @@ class Program:
 
     def idleness(self, now: float) -> float:
         """Share of recent time spent acting, in [0, 1]; 0 for a program with no history."""
-        reasoning = acting = 0.0
+        sums = self._sums if self._sums is not None else self._window_sums()
         if self.status is Status.GATED:
-            recent = self.cycles
+            reasoning, acting = sums[0], sums[1]
         else:
-            recent = list(self.cycles)[1:] if len(self.cycles) == self.window else self.cycles
-            elapsed = max(0.0, now - self.interval_start)
+            reasoning, acting = sums[2], sums[3]
+            elapsed = now - self.interval_start
+            elapsed = elapsed if elapsed > 0.0 else 0.0
             if self.status is Status.REASONING:
                 reasoning += elapsed
             elif self.steps > 0:  # a new program has not started acting yet
                 reasoning += self.reasoning_s
                 acting += elapsed
-        for r, a in recent:
-            reasoning += r
-            acting += a
         total = reasoning + acting
         return acting / total if total > 0 else 0.0
+
+    def _window_sums(self) -> tuple[float, float, float, float]:
+        """Cycle sums; the oldest cycle leaves the window while a new one is under way."""
+        all_r = sum(r for r, _ in self.cycles)
+        all_a = sum(a for _, a in self.cycles)
+        if len(self.cycles) == self.window:
+            tail = list(self.cycles)[1:]
+            sums = (all_r, all_a, sum(r for r, _ in tail), sum(a for _, a in tail))
+        else:
+            sums = (all_r, all_a, all_r, all_a)
+        self._sums = sums
+        return sums
 
     def arrive(self, now: float) -> None:
         """A request arrived: close the acting interval; the gate holds it for now.
@@ -70,6 +84,7 @@ class Program:
         """
         if self.steps > 0 and self.status is Status.ACTING:
             self.cycles.append((self.reasoning_s, max(0.0, now - self.interval_start)))
+            self._sums = None
         self.status = Status.GATED
         self.pending = True
         self.last_active_s = now
@@ -97,4 +112,5 @@ class Program:
         acted = 0.0
         if self.steps > 0 and self.cycles:
             self.reasoning_s, acted = self.cycles.pop()
+            self._sums = None
         self.interval_start = now - acted
