@@ -1,0 +1,255 @@
+"""`mori demo`: the whole stack on one machine, no GPU: two emulated replicas, the router,
+and a closed-loop replay of the committed agent corpus, then the result table.
+
+The replicas are `mori emulate` with small KV budgets, so a dozen agent programs do not fit
+on the GPU tier and the policy's tiering decisions show in the numbers. Everything runs
+`--time-scale` times faster than real time (engine clock, tool sleeps and the router's
+timers alike), so a minute of wall time replays several minutes of agent work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from router.policy import PolicyConfig, make_policy, policy_names
+from router.replay.cli import replay_with_progress
+from router.replay.client import ReplayConfig
+from router.replay.trace import TraceError, TraceProgram, load_trace
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE_CANDIDATES = ("traces/generated-claude-code-32k.jsonl", "traces/generated-claude-code.jsonl")
+FALLBACK_TRACE = ("traces/claude-code-sample.jsonl", 0.05)  # Claude-sized contexts: scale down
+# Router timers in trace seconds (divided by the time scale for the live router).
+ROUTER_TIMERS_S = {"tick_s": 5.0, "hint_sync_s": 30.0, "lease_s": 900.0}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=60.0, help="wall seconds to replay")
+    parser.add_argument("--concurrency", type=int, default=12, help="closed-loop agent programs")
+    parser.add_argument("--policy", default="mori", help="router policy (mori, ta+o, ta, smg...)")
+    parser.add_argument("--time-scale", type=float, default=5.0, help="speed-up over real time")
+    parser.add_argument("--trace", help="trace corpus (default: the committed generated one)")
+    parser.add_argument("--token-scale", type=float, help="multiply token counts (default 0.25)")
+    parser.add_argument("--gpu-tokens", type=int, default=16000, help="device KV per replica")
+    parser.add_argument("--host-tokens", type=int, default=32000, help="host KV per replica")
+    parser.add_argument("--replicas", type=int, default=2, help="emulated replicas")
+    parser.add_argument("--out", default="out/demo", help="where the JSON/CSV/plots go")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="leave the router and replicas up after the replay (Ctrl-C stops)",
+    )
+
+
+def pick_trace(explicit: str | None, token_scale: float | None) -> tuple[Path, float]:
+    """The corpus and token scale: given, else the generated corpus, else the real sample."""
+    if explicit:
+        return Path(explicit), token_scale or 1.0
+    for base in (Path.cwd(), REPO):
+        for name in TRACE_CANDIDATES:
+            if (base / name).is_file():
+                return base / name, token_scale or 0.25
+        if (base / FALLBACK_TRACE[0]).is_file():
+            return base / FALLBACK_TRACE[0], token_scale or FALLBACK_TRACE[1]
+    raise FileNotFoundError("no trace corpus found (traces/*.jsonl); pass --trace FILE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """The demo's server processes: started in order, each waited for, all stopped on exit."""
+
+    def __init__(self, logs: Path, console: Console) -> None:
+        self.logs = logs
+        self.console = console
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.urls: dict[str, str] = {}
+
+    def start(self, name: str, argv: list[str], url: str, env: dict | None = None) -> None:
+        log = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the children
+        )
+        self.procs.append((name, proc))
+        self.urls[name] = url
+        self._wait_healthy(name, proc, url + "/health")
+
+    def _wait_healthy(self, name: str, proc: subprocess.Popen, url: str, timeout_s=60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} not healthy at {url} after {timeout_s:g} s")
+
+    def stop(self) -> None:
+        """SIGTERM every process group, then SIGKILL what is left after a grace period."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """`kill` of the demo cleans up like Ctrl-C does."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def start_stack(args: argparse.Namespace, stack: Stack) -> str:
+    """Replicas with the engine behaviour the policy expects, then the router: its URL."""
+    mode = make_policy(args.policy, PolicyConfig()).engine_mode
+    urls = []
+    for i in range(args.replicas):
+        port = free_port()
+        argv = [
+            "emulate",
+            "--port",
+            str(port),
+            "--time-scale",
+            str(args.time_scale),
+            "--gpu-tokens",
+            str(args.gpu_tokens),
+            "--host-tokens",
+            str(args.host_tokens),
+            "--eviction",
+            mode.eviction,
+        ]
+        if not mode.host_tier:
+            argv.append("--no-host-tier")
+        urls.append(f"http://127.0.0.1:{port}")
+        stack.start(f"replica{i}", argv, urls[-1])
+    port = free_port()
+    env = {f"MORI_{k.upper()}": str(v / args.time_scale) for k, v in ROUTER_TIMERS_S.items()}
+    argv = [
+        "serve",
+        "--replicas",
+        ",".join(urls),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        args.policy,
+        "--log-level",
+        "warning",
+    ]
+    router = f"http://127.0.0.1:{port}"
+    stack.start("router", argv, router, env)
+    return router
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    if args.policy not in policy_names():
+        console.print(
+            f"[red]mori demo: unknown policy {args.policy!r}; known: "
+            f"{', '.join(policy_names())}[/red]"
+        )
+        return 2
+    try:
+        trace, token_scale = pick_trace(args.trace, args.token_scale)
+        corpus = load_trace(trace)
+        config = ReplayConfig(
+            endpoint="",  # set once the router is up
+            concurrency=args.concurrency,
+            duration_s=args.duration,
+            time_scale=args.time_scale,
+            token_scale=token_scale,
+            seed=args.seed,
+            policy_label=args.policy,
+            cpu_ratio=args.host_tokens / args.gpu_tokens,
+        )
+    except (FileNotFoundError, TraceError, ValueError) as e:
+        console.print(f"[red]mori demo: {e}[/red]")
+        return 2
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    stack = Stack(out / "logs", console)
+    try:
+        with _sigterm_as_interrupt():
+            return _demo(args, stack, corpus, config, trace, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]mori demo: interrupted, shutting down[/yellow]")
+        return 130
+    except RuntimeError as e:
+        console.print(f"[red]mori demo: {e}[/red]")
+        return 1
+    finally:
+        stack.stop()
+
+
+def _demo(
+    args: argparse.Namespace,
+    stack: Stack,
+    corpus: list[TraceProgram],
+    config: ReplayConfig,
+    trace: Path,
+    console: Console,
+) -> int:
+    out = Path(args.out)
+    console.print(
+        f"[bold]mori demo[/bold]: {args.replicas} emulated replicas "
+        f"({args.gpu_tokens} GPU + {args.host_tokens} host KV tokens each), policy "
+        f"{args.policy}, {args.concurrency} programs from {trace.name} "
+        f"(tokens x{config.token_scale:g}), {args.duration:g} s at x{args.time_scale:g} speed"
+    )
+    router = start_stack(args, stack)
+    console.print(f"router up at {router} (logs in {out / 'logs'})")
+    title = f"mori demo: {args.policy}, {args.concurrency} programs, {trace.name}"
+    replay_with_progress(
+        corpus, dataclasses.replace(config, endpoint=router), console, out / "demo.json", title
+    )
+    if args.keep_running:
+        console.print(f"\nrouter: {router}/v1 (metrics {router}/metrics, {router}/v1/programs)")
+        for name, url in stack.urls.items():
+            if name != "router":
+                console.print(f"{name}: {url} ({url}/mori/residency)")
+        console.print(f"logs: {out / 'logs'}; the stack stays up until Ctrl-C")
+        while all(p.poll() is None for _, p in stack.procs):
+            time.sleep(1.0)
+        console.print("[red]a server of the stack exited; shutting down[/red]")
+        return 1
+    return 0
