@@ -93,20 +93,22 @@ def churn(policy: Policy, rng: random.Random, start: float, events: int) -> None
 def measure(
     name: str, programs: int, replicas: int, ticks: int, seed: int
 ) -> tuple[list[float], list[float]]:
-    """Wall and CPU (this thread) milliseconds of each tick: on a shared machine the CPU
-    time is what the tick itself costs, the wall time adds whatever else ran."""
+    """Wall and CPU (this thread) milliseconds of each tick, moves and held requests per
+    tick. On a shared machine the CPU time is what the tick itself costs; the wall time
+    adds whatever else ran."""
     policy, rng = build(name, programs, replicas, seed)
     tick_s = policy.config.tick_s
-    wall, cpu = [], []
+    wall, cpu, moves, held = [], [], 0, 0
     for i in range(ticks):
         now = T0 + i * tick_s
         churn(policy, rng, now, max(2, programs // 100))
         now += tick_s
+        held += len(policy._held_programs())
         started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        policy.tick(now)
+        moves += len(policy.tick(now))
         cpu.append((time.thread_time_ns() - started_cpu) / 1e6)
         wall.append((time.perf_counter_ns() - started) / 1e6)
-    return wall, cpu
+    return wall, cpu, moves / ticks, held / ticks
 
 
 def machine() -> str:
@@ -136,17 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     table = Table(title=f"tick cost, {args.replicas} replicas (target MORI <= {TARGET_MS} ms)")
-    heads = ("policy", "programs", "replicas", "ticks")
+    load = os.getloadavg()[0]
+    heads = ("policy", "programs", "replicas", "ticks", "held/tick", "moves/tick")
     heads += ("wall p50 ms", "wall p99 ms", "cpu p50 ms", "cpu p99 ms", "cpu mean ms")
     for col in heads:
         table.add_column(col, justify="right")
     rows = []
     for name in args.policies:
         for n in args.programs:
-            wall, cpu = measure(name, n, args.replicas, args.ticks, args.seed)
+            wall, cpu, moves, held = measure(name, n, args.replicas, args.ticks, args.seed)
             stats = (percentile(wall, 0.5), percentile(wall, 0.99))
             stats += (percentile(cpu, 0.5), percentile(cpu, 0.99), statistics.fmean(cpu))
-            rows.append([name, str(n), str(args.replicas), str(len(wall))])
+            rows.append([name, str(n), str(args.replicas), str(len(wall)), f"{held:.0f}"])
+            rows[-1].append(f"{moves:.1f}")
             rows[-1] += [f"{v:.2f}" for v in stats]
             table.add_row(*rows[-1])
     Console(width=140).print(table)
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = [
             f"## {date.today().isoformat()} - {machine()}",
             "",
-            f"`{command}` (load average before: {os.getloadavg()[0]:.1f})",
+            f"`{command}` (1-min load average at start: {load:.1f})",
             "",
             "| " + " | ".join(heads) + " |",
             "|---|" + "---:|" * (len(heads) - 1),
