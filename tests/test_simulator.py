@@ -129,3 +129,34 @@ def test_bad_config_is_a_clear_error():
         SimConfig(preset="tpu")
     with pytest.raises(ValueError, match="unknown policy setting 'windw'"):
         SimConfig(policy_config={"windw": 3})
+
+
+def test_mori_sim_cli_writes_reports_and_rejects_bad_input(tmp_path, capsys):
+    import json
+
+    from router.cli import main
+    from router.replay.trace import dump_trace
+
+    trace = tmp_path / "t.jsonl"
+    dump_trace(
+        [prog(f"p{i}", [(5_000, 50, 0, 1.0), (5_200, 40, 5_050, 0)]) for i in range(3)], trace
+    )
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("preset: h100-8b\nduration_s: 60\npolicies: [mori, smg]\n")
+    out = tmp_path / "r" / "res.json"
+    argv = ["sim", str(scenario), "--trace", str(trace), "--concurrency", "2", "--cpu-ratio", "1"]
+    assert main([*argv, "--jobs", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["policy"] for r in doc["results"]} == {"mori", "smg"}
+    assert doc["ratios"][0]["versus"] == "smg"
+    assert out.with_suffix(".csv").exists() and (out.parent / "res-ttft.png").exists()
+    assert "mori relative to each policy" in capsys.readouterr().out
+
+    assert main(["sim", str(scenario)]) == 2  # no trace anywhere
+    assert "no trace" in capsys.readouterr().out
+    scenario.write_text("preset: h100-8b\nduraton_s: 60\n")
+    assert main(["sim", str(scenario), "--trace", str(trace)]) == 2
+    assert "unknown key 'duraton_s'" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["sim", str(scenario), "--policies", "mori,nope"])
+    assert "unknown policy 'nope'" in capsys.readouterr().err
