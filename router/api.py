@@ -8,16 +8,19 @@ requests are validated here (cheaply: the engine validates the rest) and handed 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from router import identity
 from router.config import RouterConfig
@@ -26,6 +29,8 @@ from router.errors import ApiError
 from router.exchange import PASSED_HEADERS, Call, Exchange
 from router.policy import Policy
 from router.policy.types import Placement, Tier
+
+log = logging.getLogger("mori.api")
 
 INFERENCE_PATHS = {
     "chat": "/v1/chat/completions",
@@ -50,7 +55,7 @@ def create_app(
         finally:
             await router.stop()
 
-    app = FastAPI(title="MORI router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="MORI router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     _install_error_handlers(app)
     auth = Auth(config)
@@ -82,17 +87,9 @@ def create_app(
         )
         return Exchange(router, call)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "completions")
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await proxy(request, "messages")
+    app.fast_paths = {
+        path: functools.partial(proxy, kind=kind) for kind, path in INFERENCE_PATHS.items()
+    }
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -183,6 +180,32 @@ def create_app(
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
     return app
+
+
+class RouterApp(FastAPI):
+    """FastAPI app whose inference endpoints skip the middleware stack.
+
+    Those are the hot path: FastAPI's exception, telemetry, body-limit and routing layers
+    cost ~15% of the router's CPU per request. Their errors are still OpenAI-shaped.
+    """
+
+    fast_paths: dict[str, Callable[[Request], Awaitable[Response]]] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.fast_paths.get(scope["path"])
+        if handler is None:
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            response = await handler(Request(scope, receive))
+        except ApiError as e:
+            response = e.response()
+        except Exception:
+            log.exception("inference request failed in the router")
+            response = ApiError(500, "internal router error", code="internal_error").response()
+        await response(scope, receive, send)
 
 
 def replica_view(router: Router, url: str) -> dict[str, Any]:

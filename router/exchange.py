@@ -75,17 +75,23 @@ class Exchange(Response):
         self.replica: Replica | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.ensure_future(self._run(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
+        """Serve the request in this task; a watcher cancels it if the client leaves."""
+        task = asyncio.current_task()
+        assert task is not None
+        watch = asyncio.ensure_future(self._watch(receive, task))
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await self._run(send)
+        except asyncio.CancelledError:
+            if self.outcome != "client_disconnect":
+                raise
+            task.uncancel()  # the cancellation was ours: the request is over, not the server
         finally:
-            if not work.done():
-                self.outcome = "client_disconnect"
-                work.cancel()
             watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ClientGone):
-                await work
+
+    async def _watch(self, receive: Receive, task: asyncio.Task) -> None:
+        await _disconnected(receive)
+        self.outcome = "client_disconnect"
+        task.cancel()
 
     # the request's life --------------------------------------------------------------
     async def _run(self, send: Send) -> None:
