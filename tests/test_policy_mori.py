@@ -243,6 +243,25 @@ def test_phase_mismatch_swaps_a_clearly_more_idle_program():
     assert policy.route("p") == "r0"
 
 
+def test_cpu_program_swaps_in_on_its_replica_and_its_victim_takes_its_cpu_room():
+    policy = make(gpu=1000, cpu=500)
+    t = step(policy, "c", 0.0, 500)  # c: busy, 1 s steps and 0.1 s tools
+    step(policy, "c", t + 0.1, 500)
+    policy.on_request("c", 2.2, 500)
+    policy.on_request("v", 2.5, 500)
+    shrink(policy, 500, 500)
+    policy.tick(3.0)  # both reasoning: c (a little more idle than new v) is marked
+    assert [m.dst for m in policy.on_response("c", 3.5, 500)] == [CPU0]
+    policy.on_request("c", 3.6, 500)  # held: v fills GPU(r0)
+    policy.on_response("v", 4.0, 500)
+    assert policy.route("c") is None
+    moves = policy.tick(60.0)  # v has been in a tool call for 56 s
+    assert [(m.program_id, m.dst, m.reason) for m in moves] == [
+        ("v", CPU0, MoveReason.DEMOTE),
+        ("c", GPU0, MoveReason.PROMOTE_CPU),
+    ]
+
+
 def test_room_left_over_by_a_swap_is_filled_in_the_same_tick():
     policy = make(replicas=2)
     _swap_scene(policy)
