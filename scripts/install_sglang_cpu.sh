@@ -36,8 +36,10 @@ echo "install_sglang_cpu: installing sglang $SGLANG_VERSION (CPU) into $VENV"
 mkdir -p "$(dirname "$VENV")"
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 PIP=(pip_quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-# pip warns once per package about this machine's empty local index mirrors: drop that noise.
-pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+# Drop expected noise: warnings about empty local index mirrors, and the resolver listing
+# sglang's CUDA pins that --no-deps deliberately leaves out.
+NOISE="is ignored: it is neither a file nor a directory|^sglang $SGLANG_VERSION requires|dependency resolver does not currently"
+pip_quiet() { "$@" 2> >(grep -Ev "$NOISE" >&2); }
 CONSTRAINTS="$VENV/mori-constraints.txt"
 echo "torch==2.13.0" > "$CONSTRAINTS"
 

@@ -69,24 +69,35 @@ class Server:
 
 
 @contextlib.contextmanager
-def patched_server(
-    model: Path, log_dir: Path, extra: list[str], timeout_s: float = 240.0
-) -> Iterator[Server]:
-    port = free_port()
-    log = log_dir / f"sglang-{port}.log"
-    argv = [str(PYTHON), "-m", "engine_patches.launch", "--model-path", str(model)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, env=server_env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    server = Server(proc, port, log)
+def patched_servers(
+    count: int, model: Path, log_dir: Path, extra: list[str], timeout_s: float = 240.0
+) -> Iterator[list[Server]]:
+    """`count` patched servers started side by side (start-up is mostly imports: overlap it)."""
+    servers: list[Server] = []
     try:
-        _wait_ready(server, timeout_s)
-        yield server
+        for _ in range(count):
+            port = free_port()
+            log = log_dir / f"sglang-{port}.log"
+            argv = [str(PYTHON), "-m", "engine_patches.launch", "--model-path", str(model)]
+            argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    argv, env=server_env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            servers.append(Server(proc, port, log))
+        for server in servers:
+            _wait_ready(server, timeout_s)
+        yield servers
     finally:
-        stop(proc, grace_s=10.0)
+        for server in servers:
+            stop(server.proc, grace_s=10.0)
+
+
+@contextlib.contextmanager
+def patched_server(model: Path, log_dir: Path, extra: list[str]) -> Iterator[Server]:
+    with patched_servers(1, model, log_dir, extra) as (server,):
+        yield server
 
 
 def _wait_ready(server: Server, timeout_s: float) -> None:
