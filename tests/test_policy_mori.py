@@ -199,6 +199,26 @@ def test_waiting_promotion_prefers_last_replica_when_it_fits():
     assert policy.route("w") == last
 
 
+def test_backfill_places_what_best_fit_decreasing_left_room_for():
+    policy = make(replicas=2, cpu=0)
+    for start, pid, tokens in ((0.0, "c", 300), (1.0, "b", 350), (2.0, "a", 350)):
+        step(policy, pid, start, tokens)
+    for r in ("r0", "r1"):
+        shrink(policy, 0, 0, r)
+    policy.tick(4.0)
+    for pid in ("a", "b", "c", "d"):  # returning a < b < c by idleness, then new d
+        policy.on_request(pid, 5.0, policy.programs[pid].context_tokens if pid != "d" else 150)
+    for r in ("r0", "r1"):
+        shrink(policy, 500, 0, r)
+    moves = policy.tick(6.0)  # a, b, c fill the total room, but c does not fit in a bin
+    assert [(m.program_id, m.reason) for m in moves] == [
+        ("a", MoveReason.PROMOTE_WAITING),
+        ("b", MoveReason.PROMOTE_WAITING),
+        ("d", MoveReason.PROMOTE_NEW),
+    ]
+    assert policy.route("c") is None
+
+
 def test_cpu_promotion_keeps_its_replica():
     policy = make(replicas=2)
     step(policy, "c", 0.0, 400)
@@ -216,6 +236,23 @@ def test_cpu_promotion_keeps_its_replica():
         ("c", Placement(Tier.GPU, home), MoveReason.PROMOTE_CPU)
     ]
     assert policy.route("c") == home
+
+
+def test_held_cpu_program_of_a_failed_replica_is_replaced_at_once():
+    policy = make(replicas=2)
+    step(policy, "c", 0.0, 400)
+    home = where(policy, "c").replica
+    other = "r1" if home == "r0" else "r0"
+    shrink(policy, 0, 1000, home)
+    policy.tick(2.0)
+    policy.on_request("c", 3.0, 400)
+    assert policy.route("c") is None  # affinity: waits for its replica
+    moves = policy.set_healthy(home, False, 4.0)
+    assert [(m.program_id, m.reason) for m in moves] == [
+        ("c", MoveReason.DRAIN),
+        ("c", MoveReason.PROMOTE_WAITING),
+    ]
+    assert policy.route("c") == other
 
 
 # stickiness -----------------------------------------------------------------------------------

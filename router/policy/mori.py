@@ -73,6 +73,11 @@ class MoriPolicy(Policy):
         moves = super().end(program_id, now, reason)
         return moves + self._promote(now) if moves else moves
 
+    def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
+        """A drained replica's held requests are re-placed on healthy replicas at once."""
+        moves = super().set_healthy(replica, healthy, now)
+        return moves if healthy else moves + self._promote(now)
+
     def _rebalance(self, now: float) -> list[Move]:
         moves: list[Move] = []
         for r in self.tiers.replicas():
