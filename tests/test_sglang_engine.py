@@ -9,8 +9,10 @@ engine's own view comes from /generate's cached_tokens_details.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +23,14 @@ from openai import OpenAI
 
 from tests.router_harness import router
 from tests.sglang.server import (
+    HERE,
     PYTHON,
+    REPO,
     Server,
     build_tiny_model,
     patched_server,
     patched_servers,
+    server_env,
 )
 
 pytestmark = [
@@ -226,3 +231,15 @@ def test_router_in_front_of_two_patched_replicas(tmp_path: Path):
             held = [v["programs"][p] for v in views if p in v["programs"]]
             assert any(s["device_tokens"] + s["host_tokens"] > 0 for s in held), (p, views)
             assert all(s["hint"] in {"busy", "idle", "inactive"} for s in held)
+
+
+def test_busy_first_admission_on_the_real_schedule_policy():
+    """The plugin, loaded by SGLang's own loader, re-sorts the real waiting queue after the
+    scheduling policy: busy (and unhinted) first, then idle, then inactive, FCFS within."""
+    hints_ = {"b1": "busy", "b2": "busy", "i1": "idle", "i2": "idle", "x1": "inactive"}
+    queue = ["x1", "i1", "b1", None, "i2", "b2"]
+    out = subprocess.run(
+        [str(PYTHON), str(HERE / "busy_first_probe.py"), json.dumps(hints_), json.dumps(queue)],
+        env=server_env(), cwd=REPO, capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout.splitlines()[-1]) == ["b1", None, "b2", "i1", "i2", "x1"]
