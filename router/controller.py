@@ -53,7 +53,7 @@ class Router:
         self.policy = policy or make_policy(config.policy, policy_config(config))
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
-        self.client, self.replicas = make_replicas(config)
+        self.client, self.pools, self.replicas = make_replicas(config)
         self.epoch = 0
         self.in_flight = 0
         self._chars_per_token: dict[str, float] = {}
@@ -99,6 +99,8 @@ class Router:
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         await self.client.aclose()
+        for pool in self.pools:
+            await pool.aclose()
 
     # moves -> effects ---------------------------------------------------------------
     def apply(self, moves: list[Move]) -> None:
