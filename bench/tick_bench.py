@@ -78,37 +78,45 @@ def build(name: str, programs: int, replicas: int, seed: int) -> tuple[Policy, r
     return policy, rng
 
 
-def churn(policy: Policy, rng: random.Random, start: float, events: int) -> None:
-    """About `events` answers and new requests spread over the tick period."""
+def churn(policy: Policy, rng: random.Random, start: float, events: int) -> tuple[float, int]:
+    """About `events` answers and new requests spread over the tick period; returns the
+    CPU milliseconds those event calls took (admission runs there) and their count."""
     reasoning = [p for p in policy.programs.values() if p.status is Status.REASONING]
     acting = [p for p in policy.programs.values() if p.status is Status.ACTING]
-    for k, p in enumerate(rng.sample(reasoning, min(len(reasoning), events // 2))):
-        policy.on_response(p.program_id, start + k * 1e-3, p.context_tokens + rng.randint(50, 900))
-    for k, p in enumerate(rng.sample(acting, min(len(acting), events // 2))):
+    answers = rng.sample(reasoning, min(len(reasoning), events // 2))
+    asks = rng.sample(acting, min(len(acting), events // 2))
+    grown = [p.context_tokens + rng.randint(50, 900) for p in answers]
+    started = time.thread_time_ns()
+    for k, (p, tokens) in enumerate(zip(answers, grown, strict=True)):
+        policy.on_response(p.program_id, start + k * 1e-3, tokens)
+    for k, p in enumerate(asks):
         if p.status is Status.ACTING:
             policy.on_request(p.program_id, start + 2.0 + k * 1e-3, p.context_tokens + 100)
+    spent = (time.thread_time_ns() - started) / 1e6
     policy.hint_updates()
+    return spent, len(answers) + len(asks)
 
 
 def measure(
     name: str, programs: int, replicas: int, ticks: int, seed: int
 ) -> tuple[list[float], list[float]]:
-    """Wall and CPU (this thread) milliseconds of each tick, moves and held requests per
-    tick. On a shared machine the CPU time is what the tick itself costs; the wall time
-    adds whatever else ran."""
+    """Per tick: wall and CPU (this thread) milliseconds, moves, held requests; plus the
+    mean CPU microseconds of one request/response event. On a shared machine the CPU time
+    is what the tick itself costs; the wall time adds whatever else ran."""
     policy, rng = build(name, programs, replicas, seed)
     tick_s = policy.config.tick_s
-    wall, cpu, moves, held = [], [], 0, 0
+    wall, cpu, moves, held, event_ms, events = [], [], 0, 0, 0.0, 0
     for i in range(ticks):
         now = T0 + i * tick_s
-        churn(policy, rng, now, max(2, programs // 100))
+        spent, count = churn(policy, rng, now, max(2, programs // 100))
+        event_ms, events = event_ms + spent, events + count
         now += tick_s
         held += len(policy._held_programs())
         started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
         moves += len(policy.tick(now))
         cpu.append((time.thread_time_ns() - started_cpu) / 1e6)
         wall.append((time.perf_counter_ns() - started) / 1e6)
-    return wall, cpu, moves / ticks, held / ticks
+    return wall, cpu, moves / ticks, held / ticks, 1000 * event_ms / max(1, events)
 
 
 def machine() -> str:
@@ -141,14 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     heads = ("policy", "programs", "replicas", "ticks", "held/tick", "moves/tick")
     heads += ("wall p50 ms", "wall p99 ms", "cpu p50 ms", "cpu p99 ms", "cpu mean ms")
+    heads += ("event cpu us",)
     for col in heads:
         table.add_column(col, justify="right")
     rows = []
     for name in args.policies:
         for n in args.programs:
-            wall, cpu, moves, held = measure(name, n, args.replicas, args.ticks, args.seed)
+            wall, cpu, moves, held, event_us = measure(
+                name, n, args.replicas, args.ticks, args.seed
+            )
             stats = (percentile(wall, 0.5), percentile(wall, 0.99))
-            stats += (percentile(cpu, 0.5), percentile(cpu, 0.99), statistics.fmean(cpu))
+            stats += (percentile(cpu, 0.5), percentile(cpu, 0.99), statistics.fmean(cpu), event_us)
             rows.append([name, str(n), str(args.replicas), str(len(wall)), f"{held:.0f}"])
             rows[-1].append(f"{moves:.1f}")
             rows[-1] += [f"{v:.2f}" for v in stats]

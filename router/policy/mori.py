@@ -152,9 +152,14 @@ class MoriPolicy(Policy):
         if not held or not replicas:
             return []
         free = {r: self.tiers.free(Placement(Tier.GPU, r)) for r in replicas}
-        if not displace:  # fast path: only candidates that fit somewhere are ranked
-            widest = max(free.values())
-            held = [p for p in held if p.context_tokens <= self._room(p, free, widest)]
+        if not displace:  # fast path (every event): only candidates that fit are ranked
+            widest, cpu = max(free.values()), Tier.CPU
+            held = [
+                p
+                for p in held
+                if p.context_tokens
+                <= (free.get(p.placement.replica, -1) if p.placement.tier is cpu else widest)
+            ]
             if not held:
                 return []
         idleness = self._ranking(now)
@@ -172,27 +177,25 @@ class MoriPolicy(Policy):
         new.sort(key=lambda p: (p.context_tokens, idleness(p)))
         victims = _VictimPool(self, idleness, self.config.hysteresis)
 
-        moves = []
+        moves: list[Move] = []
+        swaps = 0
         for p in on_cpu:
             r = p.placement.replica
             if p.context_tokens <= free[r]:
                 free[r] -= p.context_tokens
                 moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
             elif displace:
-                moves += self._displace(p, r, free, victims, MoveReason.PROMOTE_CPU, now)
+                swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_CPU, now)
+                swaps += bool(swap)
+                moves += swap
         unplaced = self._pack_waiting(returning + new, free, now, moves)
         if displace:
             packed = len(moves)
             self._swap_returning([p for p in unplaced if p.steps > 0], free, victims, now, moves)
-            if len(moves) > packed:  # a swap may free more than it took: fill the rest
-                moves += self._promote(now)
+            swaps += len(moves) > packed
+        if swaps:  # a swap may free more than it took, also where earlier requests wait
+            moves += self._promote(now)
         return moves
-
-    def _room(self, p: Program, free: dict[str, int], widest: int) -> int:
-        """The most room any tier `p` may be promoted to has (CPU programs keep replica)."""
-        if p.placement.tier is Tier.CPU:
-            return free.get(p.placement.replica, -1)  # type: ignore[arg-type]
-        return widest
 
     def _pack_waiting(
         self, ranked: list[Program], free: dict[str, int], now: float, moves: list[Move]
