@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--policy", default="mori")
     args = parser.parse_args()
 
-    console = Console()
+    console = Console(width=140)
     emu_port, router_port = free_port(), free_port()
     emu = f"http://127.0.0.1:{emu_port}"
     env = {"MORI_LOG_LEVEL": "warning", "MORI_TICK_S": "5"}
