@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +16,13 @@ from typing import Any
 
 import httpx
 import openai
+import uvicorn
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from tests.servers import free_port, mori, spawn
 
@@ -103,3 +111,87 @@ def metric(base: str, sample: str, **labels: str) -> float:
             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+class ScriptedReplica:
+    """A minimal engine double for faults the emulator does not stage: hint endpoint
+    errors, and recording the aborts the router sends."""
+
+    def __init__(self, hints_status: int = 200, tokens: int = 3, delay_s: float = 0.0) -> None:
+        self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
+        self.hint_calls = 0
+        self.aborts: list[str] = []
+        self.app = Starlette(
+            routes=[
+                Route("/health", lambda r: Response(), methods=["GET"]),
+                Route("/get_server_info", self.info, methods=["GET"]),
+                Route("/mori/hints", self.hints, methods=["POST"]),
+                Route("/abort_request", self.abort, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+            ]
+        )
+
+    async def info(self, request: Request) -> Response:
+        return JSONResponse({"max_total_num_tokens": 50_000, "hicache_host_tokens": 100_000})
+
+    async def hints(self, request: Request) -> Response:
+        self.hint_calls += 1
+        if self.hints_status != 200:
+            return JSONResponse({"detail": "nope"}, status_code=self.hints_status)
+        body = await request.json()
+        return JSONResponse({"epoch": body["epoch"], "stale": False, "residency": {}})
+
+    async def abort(self, request: Request) -> Response:
+        self.aborts.append((await request.json())["rid"])
+        return JSONResponse({})
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic Messages: a tool_use answer with usage (non-streamed)."""
+        self.last_body = await request.json()
+        block = {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "ls -la"}}
+        usage = {"input_tokens": 40, "cache_read_input_tokens": 60, "output_tokens": 7}
+        answer = {"id": "m1", "type": "message", "role": "assistant", "model": "m"}
+        return JSONResponse(
+            {**answer, "content": [block], "stop_reason": "tool_use", "usage": usage}
+        )
+
+    async def chat(self, request: Request) -> Response:
+        body = await request.json()
+        usage = {
+            "prompt_tokens": 5,
+            "completion_tokens": self.tokens,
+            "total_tokens": 5 + self.tokens,
+        }
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "ok"}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            doc = {"id": body["rid"], "object": "chat.completion", "created": 0, "model": "m"}
+            return JSONResponse({**doc, "choices": [choice], "usage": usage})
+
+        async def events():
+            for _ in range(self.tokens):
+                delta = {"index": 0, "delta": {"content": "x"}, "finish_reason": None}
+                yield "data: " + json.dumps({"id": body["rid"], "choices": [delta]}) + "\n\n"
+                await asyncio.sleep(self.delay_s)
+            yield "data: " + json.dumps({"id": body["rid"], "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@contextlib.contextmanager
+def serve(replica: ScriptedReplica) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(replica.app, port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(5)

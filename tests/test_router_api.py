@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.router_harness import (
+    ScriptedReplica,
     assert_clean,
     chat,
     client,
@@ -18,7 +19,9 @@ from tests.router_harness import (
     metric,
     programs,
     router,
+    serve,
 )
+from tests.servers import free_port, mori, spawn
 
 EMULATOR_ARGS = ("--time-scale", "20")
 BASH_TOOL = {
@@ -241,3 +244,38 @@ def test_same_program_requests_take_turns(base):
     assert len(answers) == 4
     assert httpx.get(base + "/v1/programs/turns").json()["steps"] == 4
     assert_clean(base)
+
+
+def test_anthropic_messages_pass_through_and_account():
+    replica = ScriptedReplica()
+    with serve(replica) as url, router([url]) as base:
+        r = httpx.post(
+            base + "/v1/messages",
+            json={
+                "model": "m",
+                "max_tokens": 64,
+                "metadata": {"user_id": "anth-1"},
+                "messages": [{"role": "user", "content": "list files"}],
+            },
+            headers={"anthropic-version": "2023-06-01"},
+        )
+        assert r.status_code == 200 and r.json()["content"][0]["name"] == "Bash"
+        assert replica.last_body["session_id"] == "anth-1"
+        assert replica.last_body["metadata"] == {"user_id": "anth-1"}
+        view = httpx.get(base + "/v1/programs/anth-1").json()
+        assert view["context_tokens"] == 40 + 60 + 7  # input incl. cached + output
+        assert view["status"] == "acting" and view["steps"] == 1
+
+
+def test_serve_from_flags_and_env_without_a_file(replicas):
+    port = free_port()
+    argv = mori(
+        "serve", "--replicas", ",".join(replicas), "--port", str(port), "--host", "127.0.0.1"
+    )
+    env = {"MORI_ADMIN_KEY": "adm", "MORI_TICK_S": "0.5", "MORI_PORT": "1"}  # the flag wins
+    with spawn(argv, port, env=env):
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/v1/replicas").status_code == 403
+        reps = httpx.get(base + "/v1/replicas", headers={"authorization": "Bearer adm"}).json()
+        assert [r["url"] for r in reps["data"]] == replicas
+        assert client(base).chat.completions.create(**chat("flags-1")).choices

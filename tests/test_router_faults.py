@@ -7,25 +7,27 @@ turn or in-flight request left (`assert_clean`), and later requests still succee
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
-from tests.router_harness import assert_clean, chat, client, emulator, metric, programs, router
-from tests.servers import free_port
+from tests.router_harness import (
+    ScriptedReplica,
+    assert_clean,
+    chat,
+    client,
+    emulator,
+    metric,
+    programs,
+    router,
+    serve,
+)
 
 SLOW = ("--time-scale", "1")  # real-time decoding: a long answer streams for seconds
 
@@ -90,81 +92,6 @@ def test_hanging_replica_is_retried_elsewhere_and_drained():
             assert _healthy(base) == {hung: False, good: True}
             assert _replica_of(base, "wedged") == good
             assert_clean(base)
-
-
-class ScriptedReplica:
-    """A minimal engine double for faults the emulator does not stage: hint endpoint
-    errors, and recording the aborts the router sends."""
-
-    def __init__(self, hints_status: int = 200, tokens: int = 3, delay_s: float = 0.0) -> None:
-        self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
-        self.hint_calls = 0
-        self.aborts: list[str] = []
-        self.app = Starlette(
-            routes=[
-                Route("/health", lambda r: Response(), methods=["GET"]),
-                Route("/get_server_info", self.info, methods=["GET"]),
-                Route("/mori/hints", self.hints, methods=["POST"]),
-                Route("/abort_request", self.abort, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            ]
-        )
-
-    async def info(self, request: Request) -> Response:
-        return JSONResponse({"max_total_num_tokens": 50_000, "hicache_host_tokens": 100_000})
-
-    async def hints(self, request: Request) -> Response:
-        self.hint_calls += 1
-        if self.hints_status != 200:
-            return JSONResponse({"detail": "nope"}, status_code=self.hints_status)
-        body = await request.json()
-        return JSONResponse({"epoch": body["epoch"], "stale": False, "residency": {}})
-
-    async def abort(self, request: Request) -> Response:
-        self.aborts.append((await request.json())["rid"])
-        return JSONResponse({})
-
-    async def chat(self, request: Request) -> Response:
-        import asyncio
-
-        body = await request.json()
-        usage = {
-            "prompt_tokens": 5,
-            "completion_tokens": self.tokens,
-            "total_tokens": 5 + self.tokens,
-        }
-        if not body.get("stream"):
-            message = {"role": "assistant", "content": "ok"}
-            choice = {"index": 0, "message": message, "finish_reason": "stop"}
-            doc = {"id": body["rid"], "object": "chat.completion", "created": 0, "model": "m"}
-            return JSONResponse({**doc, "choices": [choice], "usage": usage})
-
-        async def events():
-            for _ in range(self.tokens):
-                delta = {"index": 0, "delta": {"content": "x"}, "finish_reason": None}
-                yield "data: " + json.dumps({"id": body["rid"], "choices": [delta]}) + "\n\n"
-                await asyncio.sleep(self.delay_s)
-            yield "data: " + json.dumps({"id": body["rid"], "choices": [], "usage": usage}) + "\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-
-@contextlib.contextmanager
-def serve(replica: ScriptedReplica) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(replica.app, port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(5)
 
 
 @pytest.mark.parametrize(("status", "result"), [(500, "error"), (404, "unsupported")])

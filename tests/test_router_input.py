@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 
 import httpx
 import pytest
@@ -16,6 +18,7 @@ from router.api import create_app
 from router.config import ConfigError, load_config
 from router.identity import IdentityError, fingerprint, resolve
 from tests.router_harness import emulators
+from tests.servers import mori
 
 # --- configuration -----------------------------------------------------------------------
 
@@ -289,3 +292,23 @@ def test_fuzz_never_answers_5xx(replica_url):
         loop.close()
     assert len(statuses) >= 2000
     assert 200 in statuses  # the fuzz reaches the engine, not only the validator
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--port", "8123"], "no replicas configured"),
+        (["--replicas", "ftp://nowhere"], "http://"),
+        (["--replicas", "http://a:1", "--policy", "nope"], "unknown policy"),
+    ],
+)
+def test_serve_refuses_a_bad_config(argv, needle):
+    done = subprocess.run(
+        mori("serve", *argv), capture_output=True, text=True, timeout=30, env=_no_mori_env()
+    )
+    assert done.returncode == 2 and needle in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _no_mori_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MORI_")}
