@@ -70,6 +70,7 @@ class Router:
         )
         now = self.clock()
         for replica, result in zip(self.replicas.values(), results, strict=True):
+            self.metrics.add_replica(replica.url)
             if isinstance(result, BaseException):
                 log.warning("replica %s not reachable at start (%s): drained", replica.url, result)
                 spec = replica.spec

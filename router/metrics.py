@@ -100,6 +100,17 @@ class RouterMetrics:
             registry=r,
         )
 
+    def add_replica(self, replica: str) -> None:
+        """Create every per-replica series at zero, so dashboards and alerts see them at once."""
+        self.replica_healthy.labels(replica).set(1)
+        for result in ("ok", "error", "unsupported"):
+            self.hint_pushes.labels(replica, result)
+        self.hint_unsupported.labels(replica)
+        for outcome in ("ok", "error", "timeout", "client_disconnect", "retried"):
+            self.requests.labels(replica, outcome)
+        for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
+            family.labels(replica)
+
     def record_moves(self, moves: list[Move]) -> None:
         for m in moves:
             self.moves.labels(m.src.tier.value, m.dst.tier.value, m.reason.value).inc()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router_harness import (
     ScriptedReplica,
@@ -279,3 +282,18 @@ def test_serve_from_flags_and_env_without_a_file(replicas):
         reps = httpx.get(base + "/v1/replicas", headers={"authorization": "Bearer adm"}).json()
         assert [r["url"] for r in reps["data"]] == replicas
         assert client(base).chat.completions.create(**chat("flags-1")).choices
+
+
+def test_every_documented_metric_is_exposed(base):
+    client(base).chat.completions.create(**chat("names-1"))
+    table = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    documented = re.findall(r"^\| `(mori_[a-z_]+)`", table, flags=re.M)
+    assert len(documented) >= 15
+    text = httpx.get(base + "/metrics").text
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    for name in documented:
+        assert any(e == name or e.startswith(name + "_") for e in exposed), name
+    assert {e.split("_bucket")[0] for e in exposed if e.startswith("mori_")} <= {
+        *documented,
+        *(e for e in exposed if e.endswith(("_created", "_sum", "_count"))),
+    }

@@ -28,6 +28,7 @@ from tests.router_harness import (
     router,
     serve,
 )
+from tests.servers import mori, spawn
 
 SLOW = ("--time-scale", "1")  # real-time decoding: a long answer streams for seconds
 
@@ -61,6 +62,14 @@ def test_replica_killed_mid_stream():
             assert _healthy(base)[doomed] is False
             assert metric(base, "mori_requests_total", outcome="error") >= 1
             assert_clean(base)
+            # a replica back on its address rejoins (fresh capacity read, full hint sync)
+            port = doomed.rsplit(":", 1)[1]
+            with spawn(mori("emulate", "--port", port, *SLOW), int(port)):
+                deadline = time.monotonic() + 10
+                while not _healthy(base)[doomed]:
+                    assert time.monotonic() < deadline, "replica did not rejoin"
+                    time.sleep(0.1)
+                assert metric(base, "mori_replica_healthy") == 2
 
 
 @contextlib.contextmanager
