@@ -175,6 +175,9 @@ class Router:
         started = time.perf_counter()
         now = self.clock()
         self.apply(self.policy.tick(now))
+        if len(self._chars_per_token) > len(self.policy.programs):  # ended by lease expiry
+            live = self.policy.programs
+            self._chars_per_token = {p: r for p, r in self._chars_per_token.items() if p in live}
         self.metrics.tick_seconds.observe(time.perf_counter() - started)
         self.metrics.refresh_tiers(self.policy, now)
         self.metrics.gate_waiting.set(self.gate.waiting)
