@@ -297,3 +297,31 @@ def test_every_documented_metric_is_exposed(base):
         *documented,
         *(e for e in exposed if e.endswith(("_created", "_sum", "_count"))),
     }
+
+
+def test_tool_start_and_end_endpoints(base):
+    client(base).chat.completions.create(**chat("hooks-1"))
+    r = httpx.post(
+        base + "/v1/programs/hooks-1/tool_start", json={"tool": "pytest", "predict_time": 3}
+    )
+    assert r.status_code == 200 and r.json() == {"program_id": "hooks-1", "tool": "pytest"}
+    assert httpx.post(base + "/v1/programs/hooks-1/tool_end").status_code == 200
+    bad = httpx.post(
+        base + "/v1/programs/hooks-1/tool_start", json={"tool": "x", "predict_time": -1}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "predict_time"
+    assert client(base).chat.completions.create(**chat("hooks-1", "next")).choices
+    assert httpx.get(base + "/v1/programs/hooks-1").json()["steps"] == 2
+
+
+@pytest.mark.parametrize("policy", ["mori+predict", "ta", "ta+o", "smg"])
+def test_every_policy_serves(replicas, policy):
+    """The shell drives every registered policy the same way (baselines send no hints)."""
+    with router(replicas, policy=policy) as url:
+        c = client(url)
+        forced = {"tools": [BASH_TOOL], "tool_choice": "required"}
+        assert c.chat.completions.create(**chat("pol-1"), **forced).choices[0].message.tool_calls
+        chunks = list(c.chat.completions.create(**chat("pol-1", "more"), stream=True))
+        assert chunks and all(ch.usage is None for ch in chunks)
+        view = assert_clean(url)
+        assert view["policy"] == policy and view["data"][0]["steps"] == 2
