@@ -42,6 +42,10 @@ class Replica:
     capacity: ReplicaCapacity | None = None
     last_residency: dict[str, Any] = field(default_factory=dict)
     _turn: int = 0
+    _urls: dict[str, httpx.URL] = field(default_factory=dict)  # parsed once per path
+
+    def __post_init__(self) -> None:
+        self._ext = {"timeout": self.client.timeout.as_dict()}
 
     @property
     def url(self) -> str:
@@ -51,12 +55,16 @@ class Replica:
     async def open(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
         """Send an inference request; the caller reads (and must close) the body stream.
 
-        Goes straight to a pooled transport: the client's auth, redirect and cookie
-        layers cost ~10% of the router's CPU per request and do nothing for an engine.
+        Goes straight to a pooled transport with a pre-parsed URL: the client's URL
+        merging, auth, redirect and cookie layers cost ~15% of the router's CPU per
+        request and do nothing for an engine.
         Requests rotate over several small pools: httpcore scans every connection of a
         pool on each request, which at hundreds of streams cost most of the router's CPU.
         """
-        request = self.client.build_request("POST", self.url + path, content=body, headers=headers)
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.url + path)
+        request = httpx.Request("POST", url, content=body, headers=headers, extensions=self._ext)
         self._turn += 1
         return await self.pools[self._turn % len(self.pools)].handle_async_request(request)
 
