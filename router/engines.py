@@ -22,7 +22,7 @@ log = logging.getLogger("mori.engines")
 HOST_TOKEN_FIELDS = ("max_host_num_tokens", "host_total_num_tokens", "hicache_host_tokens")
 
 
-POOL_SHARDS = 16  # connection pools the inference requests rotate over
+POOL_SHARDS = 64  # connection pools the inference requests rotate over
 
 
 class HintsUnsupported(Exception):
