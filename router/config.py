@@ -14,7 +14,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from router.sim.presets import PRESETS
+
 ENV_PREFIX = "MORI_"
+_DEFAULT_PRESET = PRESETS["h100-8b"]  # H100 + Llama-3.1-8B: the replicas MORI was built for
 
 
 class ConfigError(ValueError):
@@ -53,6 +56,9 @@ class RouterConfig(BaseModel):
     lease_s: float = Field(default=900.0, gt=0)
     hysteresis: float = Field(default=0.2, ge=0, le=1)
     new_program_tokens: int = Field(default=2048, gt=0)
+    # KV copy cost GPU<->host, for mori+predict's offload benefit and load-back lead time
+    kv_bytes_per_token: int = Field(default=_DEFAULT_PRESET.kv_bytes_per_token, gt=0)
+    pcie_gbps: float = Field(default=_DEFAULT_PRESET.pcie_bytes_s / 1e9, gt=0)  # GB/s, one way
     gate_timeout_s: float = Field(default=300.0, gt=0)
     hint_sync_s: float = Field(default=30.0, gt=0)
     capacity_refresh_s: float = Field(default=60.0, gt=0)
@@ -67,6 +73,11 @@ class RouterConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
     admin_key: str | None = None
     log_level: str = "info"
+
+    @property
+    def load_s_per_token(self) -> float:
+        """Seconds to copy one token's KV one way over PCIe (as the simulator's preset)."""
+        return self.kv_bytes_per_token / (self.pcie_gbps * 1e9)
 
     @field_validator("replicas", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ def policy_config(config: RouterConfig) -> PolicyConfig:
         lease_s=config.lease_s,
         hysteresis=config.hysteresis,
         new_program_tokens=config.new_program_tokens,
+        load_s_per_token=config.load_s_per_token,
     )
 
 
