@@ -61,6 +61,9 @@ class Router:
         self._hints_dirty = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._next_wakeup = getattr(self.policy, "next_wakeup", None)  # predictive only
+        self._wakeup: asyncio.TimerHandle | None = None  # the policy's next extra tick
+        self._wakeup_at = float("inf")
 
     # lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -93,6 +96,8 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.cancel()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -106,12 +111,40 @@ class Router:
 
     # moves -> effects ---------------------------------------------------------------
     def apply(self, moves: list[Move]) -> None:
-        """Record moves, let released requests through, schedule the hint push."""
+        """Record moves, let released requests through, schedule the hint push and the
+        policy's next wake-up."""
         if moves:
             self.metrics.record_moves(moves)
             if self.policy.sends_hints:
                 self._hints_dirty.set()
         self.gate.wake_all()
+        self._schedule_wakeup()
+
+    def _schedule_wakeup(self) -> None:
+        """Predictive policies need ticks between periods (`next_wakeup`, e.g. a load-back
+        just before a predicted tool end). One timer is pending at most: an earlier time
+        replaces it, a later one waits until it fired (its tick asks again)."""
+        if self._next_wakeup is None:
+            return
+        now = self.clock()
+        at = self._next_wakeup(now)
+        if at is None or (self._wakeup is not None and self._wakeup_at <= at):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven outside the event loop: the tick loop covers it
+            return
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+        self._wakeup_at = at
+        self._wakeup = loop.call_later(max(0.0, at - now), self._on_wakeup)
+
+    def _on_wakeup(self) -> None:
+        self._wakeup, self._wakeup_at = None, float("inf")
+        try:
+            self.tick()  # applies the moves, which schedules the next wake-up
+        except Exception:  # like the tick loop: one failure is logged, never fatal
+            log.exception("policy wake-up failed")
 
     # token estimates ----------------------------------------------------------------
     def estimate_tokens(self, program_id: str, chars: int) -> int:
