@@ -445,3 +445,31 @@ def test_hint_updates_batch_changes_per_replica_once():
     policy.tick(5.0)
     assert policy.hint_updates() == {ra: {"a": Hint.IDLE}}
     assert policy.hints() == {ra: {"a": Hint.IDLE}, rb: {"b": Hint.BUSY}}
+
+
+# aging (a MORI addition, off by default) ----------------------------------------------------
+def test_aged_request_swaps_out_an_acting_program_whatever_its_idleness():
+    policy = make(replicas=2, hysteresis=0.2, aging_s=0.1)
+    _swap_scene(policy)  # p held since 3.3; v barely more idle than p (see hysteresis test)
+    assert policy.tick(3.35) == []  # held 0.05 s: not aged yet, and v is within hysteresis
+    moves = policy.tick(3.5)
+    assert [(m.program_id, m.dst, m.reason) for m in moves] == [
+        ("v", CPU0, MoveReason.DEMOTE),
+        ("p", GPU0, MoveReason.PROMOTE_WAITING),
+    ]
+    assert policy.route("p") == "r0"
+
+
+def test_aged_request_goes_before_a_higher_class():
+    policy = make(cpu=1000, aging_s=10.0)
+    step(policy, "c", 0.0, 500)
+    step(policy, "w", 0.0, 500)
+    shrink(policy, 0, 500)
+    policy.tick(1.5)  # both demoted: one to CPU, the other (no CPU room) to WAITING
+    cpu_id = next(pid for pid in "cw" if where(policy, pid) == CPU0)
+    waiting_id = "w" if cpu_id == "c" else "c"
+    policy.on_request(waiting_id, 2.0, 500)  # class 2, held first
+    policy.on_request(cpu_id, 20.0, 500)  # class 1, held later
+    shrink(policy, 500, 500)  # room for one of them
+    moves = policy.tick(20.5)  # the WAITING request has waited 18.5 s >= aging_s
+    assert [m.program_id for m in moves] == [waiting_id]

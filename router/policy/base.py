@@ -53,6 +53,7 @@ class PolicyConfig:
     predict_grace_s: float = 5.0  # mori+predict: room held past a predicted end before demotion
     ewma_alpha: float = 0.3  # mori+predict: weight of the newest tool duration
     hint_alpha: float = 0.5  # mori+predict: weight of a client's predict_time (Tokencake eq. 1)
+    aging_s: float = 0.0  # mori: a request held this long goes first and may displace; 0: off
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}
