@@ -1,4 +1,4 @@
-"""What a response tells the router: token usage and the tool call it ends in.
+"""What a response tells the router: token usage and the tool calls it ends in.
 
 OpenAI and Anthropic answers (streamed or not) are read here. The stream filter also
 drops the usage chunk the router forced (`stream_options.include_usage`) when the
@@ -8,11 +8,10 @@ client did not ask for it, so clients see exactly the stream they requested.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
-SHELL_TOOLS = {"bash", "shell", "sh", "terminal", "run_shell", "execute_command", "exec", "run"}
+from router.policy.predictor import tool_key_of_calls
 
 
 @dataclass
@@ -30,24 +29,11 @@ class Usage:
         return self.prompt_tokens + (self.completion_tokens or 0)
 
 
-def tool_label(name: str | None, arguments: Any) -> str | None:
-    """The tool a response calls; for shell-like tools, the command's first word."""
-    if not name:
-        return None
-    if name.lower() not in SHELL_TOOLS:
-        return name
-    args = arguments
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return name
-    command = args.get("command") or args.get("cmd") if isinstance(args, dict) else None
-    if isinstance(command, list):
-        command = " ".join(str(c) for c in command)
-    if isinstance(command, str) and command.split():
-        return os.path.basename(command.split()[0])
-    return name
+def tool_key(calls: list[Any]) -> str | None:
+    """The predictor's key for the tool calls a response ends in ("bash:pytest"); None
+    when it ends in none (the policy is told only about tool calls)."""
+    calls = [c for c in calls if isinstance(c, dict)]
+    return tool_key_of_calls(calls) if calls else None
 
 
 def _int(value: Any) -> int | None:
@@ -75,9 +61,8 @@ def openai_body(content: bytes) -> Usage:
     for choice in doc.get("choices") or []:
         message = choice.get("message") if isinstance(choice, dict) else None
         calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if isinstance(calls, list) and calls and isinstance(calls[0], dict):
-            fn = calls[0].get("function") or {}
-            usage.tool = tool_label(fn.get("name"), fn.get("arguments"))
+        if isinstance(calls, list) and calls:
+            usage.tool = tool_key(calls)
             break
     return usage
 
@@ -90,8 +75,8 @@ class OpenAIStream:
         self.client_wants_usage = client_wants_usage
         self.usage = Usage()
         self._buffer = b""
-        self._tool_name: str | None = None
-        self._tool_args: list[str] = []
+        self._names: dict[int, str] = {}  # tool call index -> function name
+        self._args: dict[int, list[str]] = {}  # tool call index -> argument fragments
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send on for this chunk (whole events only; partial ones wait)."""
@@ -106,8 +91,11 @@ class OpenAIStream:
         return self._event(rest) if rest.strip() else b""
 
     def finish(self) -> Usage:
-        if self._tool_name:
-            self.usage.tool = tool_label(self._tool_name, "".join(self._tool_args))
+        calls = [
+            {"function": {"name": name, "arguments": "".join(self._args.get(i, []))}}
+            for i, name in sorted(self._names.items())
+        ]
+        self.usage.tool = tool_key(calls)
         return self.usage
 
     def _event(self, event: bytes) -> bytes:
@@ -133,13 +121,14 @@ class OpenAIStream:
             delta = choice.get("delta") if isinstance(choice, dict) else None
             calls = delta.get("tool_calls") if isinstance(delta, dict) else None
             for call in calls if isinstance(calls, list) else []:
-                if not isinstance(call, dict) or call.get("index", 0) != 0:
+                index = call.get("index", 0) if isinstance(call, dict) else None
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(index, int) or not isinstance(fn, dict):
                     continue
-                fn = call.get("function") or {}
-                if fn.get("name"):
-                    self._tool_name = fn["name"]
+                if fn.get("name") and isinstance(fn["name"], str):
+                    self._names[index] = fn["name"]
                 if isinstance(fn.get("arguments"), str):
-                    self._tool_args.append(fn["arguments"])
+                    self._args.setdefault(index, []).append(fn["arguments"])
 
 
 # --- Anthropic ------------------------------------------------------------------------
@@ -165,22 +154,20 @@ def anthropic_body(content: bytes) -> Usage:
     if not isinstance(doc, dict):
         return usage
     anthropic_usage(doc.get("usage"), usage)
-    for block in doc.get("content") or []:
-        if isinstance(block, dict) and block.get("type") == "tool_use":
-            usage.tool = tool_label(block.get("name"), block.get("input"))
-            break
+    blocks = doc.get("content") if isinstance(doc.get("content"), list) else []
+    usage.tool = tool_key(
+        [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]
+    )
     return usage
 
 
 class AnthropicStream:
-    """Reads a Messages SSE stream for usage and the first tool_use block; passes all bytes."""
+    """Reads a Messages SSE stream for usage and its tool_use blocks; passes all bytes."""
 
     def __init__(self, client_wants_usage: bool = True) -> None:
         self.usage = Usage()
         self._buffer = b""
-        self._tool_name: str | None = None
-        self._tool_index: int | None = None
-        self._tool_args: list[str] = []
+        self._calls: dict[Any, tuple[str, list[str]]] = {}  # block index -> (name, input)
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
@@ -195,8 +182,8 @@ class AnthropicStream:
         return b""
 
     def finish(self) -> Usage:
-        if self._tool_name:
-            self.usage.tool = tool_label(self._tool_name, "".join(self._tool_args) or None)
+        calls = [{"name": name, "input": "".join(args)} for name, args in self._calls.values()]
+        self.usage.tool = tool_key(calls)
         return self.usage
 
     def _event(self, event: bytes) -> None:
@@ -211,13 +198,13 @@ class AnthropicStream:
         elif kind == "message_delta":
             anthropic_usage(doc.get("usage"), self.usage)
         elif kind == "content_block_start":
-            block = doc.get("content_block") or {}
-            if block.get("type") == "tool_use" and self._tool_name is None:
-                self._tool_name, self._tool_index = block.get("name"), doc.get("index")
-        elif kind == "content_block_delta" and doc.get("index") == self._tool_index:
-            delta = doc.get("delta") or {}
-            if isinstance(delta.get("partial_json"), str):
-                self._tool_args.append(delta["partial_json"])
+            block = doc.get("content_block")
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                self._calls[doc.get("index")] = (str(block.get("name") or ""), [])
+        elif kind == "content_block_delta" and doc.get("index") in self._calls:
+            delta = doc.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("partial_json"), str):
+                self._calls[doc["index"]][1].append(delta["partial_json"])
 
 
 def _sse_json(event: bytes) -> dict[str, Any] | None:

@@ -72,6 +72,7 @@ def create_app(
         body.pop("program_id", None)
         if isinstance(body.get("extra_body"), dict):
             body["extra_body"].pop("program_id", None)
+        agent = agent_role(body.pop("agent", None), request.headers.get("x-agent-role"))
         stream = bool(body.get("stream", False))
         options = body.get("stream_options")
         call = Call(
@@ -84,6 +85,7 @@ def create_app(
             prompt_chars=len(raw),
             arrival=router.clock(),
             headers={h: request.headers[h] for h in PASSED_HEADERS if h in request.headers},
+            agent=agent,
         )
         return Exchange(router, call)
 
@@ -129,8 +131,9 @@ def create_app(
             raise ApiError(400, "`tool` must be a non-empty string", param="tool")
         if predict is not None and (not _number(predict) or predict < 0):
             raise ApiError(400, "`predict_time` must be a number of seconds >= 0", "predict_time")
+        agent = agent_role(body.get("agent"), request.headers.get("x-agent-role"))
         known(pid)
-        router.apply(router.policy.on_tool_start(pid, router.clock(), tool, None, predict))
+        router.apply(router.policy.on_tool_start(pid, router.clock(), tool, agent, predict))
         return {"program_id": pid, "tool": tool}
 
     @app.post("/v1/programs/{program_id:path}/tool_end")
@@ -256,6 +259,16 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 def _reject_constant(name: str) -> Any:
     """NaN and Infinity are not JSON; engines choke on them."""
     raise ValueError(f"{name} is not valid JSON")
+
+
+def agent_role(field: Any, header: str | None) -> str | None:
+    """The agent role (e.g. "planner", "coder") tool durations are learnt per: body
+    `agent` first, then the `X-Agent-Role` header; None when neither is given."""
+    if field is None:
+        return (header or "").strip() or None
+    ok = isinstance(field, str) and bool(field.strip())
+    _require(ok, "`agent` must be a non-empty string", "agent")
+    return field.strip()
 
 
 def _number(v: Any) -> bool:

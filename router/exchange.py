@@ -59,6 +59,7 @@ class Call:
     prompt_chars: int
     arrival: float
     headers: dict[str, str]
+    agent: str | None = None  # agent role (predictive policies learn tool times per role)
 
 
 class Exchange(Response):
@@ -148,7 +149,7 @@ class Exchange(Response):
                 now = r.clock()
                 r.apply(policy.on_response(pid, now, usage.context_tokens))
                 if usage.tool:
-                    r.apply(policy.on_tool_start(pid, now, tool=usage.tool, agent=None))
+                    r.apply(policy.on_tool_start(pid, now, usage.tool, agent=self.call.agent))
         raise ApiError(
             502, "no healthy replica could serve the request", code="upstream_unavailable"
         )

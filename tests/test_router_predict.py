@@ -4,10 +4,12 @@ tool keys and agent roles from responses, and the tool hooks seen in the admin A
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
 from router.config import load_config
 from router.controller import Router, policy_config
 from router.policy import PolicyConfig
@@ -75,3 +77,57 @@ async def test_predicted_load_back_runs_on_a_wakeup_between_ticks():
         assert 1 <= len(ticks) <= 3  # one timer (maybe re-armed once if it fired early)
     finally:
         await router.stop()
+
+
+# --- tool keys: what a response ends in, keyed as the predictor keys it ------------------
+def _sse(doc: dict) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+def test_streamed_parallel_tool_calls_give_the_predictor_key_of_the_longest():
+    deltas = [
+        {"index": 0, "id": "a", "function": {"name": "Read", "arguments": '{"path": "x"}'}},
+        {"index": 1, "id": "b", "function": {"name": "Bash", "arguments": '{"command": "cd'}},
+        {"index": 1, "function": {"arguments": ' src && timeout 60 python -m pytest -x"}'}},
+    ]
+    raw = b"".join(_sse({"choices": [{"index": 0, "delta": {"tool_calls": [d]}}]}) for d in deltas)
+    stream = OpenAIStream(client_wants_usage=False)
+    for i in range(0, len(raw), 7):
+        stream.feed(raw[i : i + 7])
+    assert stream.finish().tool == "Bash:pytest"
+    plain = OpenAIStream(client_wants_usage=False)
+    plain.feed(_sse({"choices": [{"index": 0, "delta": {"content": "done"}}]}))
+    assert plain.finish().tool is None  # no tool call: the policy is not told about one
+
+
+def test_anthropic_tool_use_blocks_give_the_predictor_key():
+    blocks = [
+        {"type": "text", "text": "let me look"},
+        {"type": "tool_use", "id": "t1", "name": "Grep", "input": {"pattern": "x"}},
+        {"type": "tool_use", "id": "t2", "name": "Task", "input": {"prompt": "review"}},
+    ]
+    assert anthropic_body(json.dumps({"content": blocks}).encode()).tool == "Task"
+    events = [
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}},
+        {"type": "content_block_start", "index": 1, "content_block": blocks[1] | {"input": {}}},
+        {
+            "type": "content_block_start",
+            "index": 2,
+            "content_block": {"type": "tool_use", "name": "Bash"},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 2,
+            "delta": {"type": "input_json_delta", "partial_json": '{"command": "make'},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 2,
+            "delta": {"type": "input_json_delta", "partial_json": ' -j8"}'},
+        },
+    ]
+    stream = AnthropicStream()
+    stream.feed(b"".join(b"event: x\n" + _sse(e) for e in events))
+    assert stream.finish().tool == "Bash:make"
+    one = {"choices": [{"message": {"tool_calls": [{"function": {"name": "Edit"}}]}}]}
+    assert openai_body(json.dumps(one).encode()).tool == "Edit"
