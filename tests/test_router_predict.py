@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,6 +17,15 @@ from router.policy import PolicyConfig
 from router.policy.predictive import PredictivePolicy
 from router.policy.types import ReplicaCapacity
 from router.sim.presets import PRESETS
+from tests.router_harness import (
+    ScriptedReplica,
+    assert_clean,
+    chat,
+    client,
+    emulators,
+    router,
+    serve,
+)
 
 
 def test_load_time_per_token_comes_from_the_config_as_in_the_simulator():
@@ -31,8 +41,8 @@ def test_load_time_per_token_comes_from_the_config_as_in_the_simulator():
 
 
 # --- wake-ups: the controller ticks the policy when `next_wakeup` asks -------------------
-def _moves(router: Router, reason: str) -> float:
-    text = router.metrics.render().decode()
+def _moves(live: Router, reason: str) -> float:
+    text = live.metrics.render().decode()
     return sum(
         s.value
         for f in text_string_to_metric_families(text)
@@ -51,32 +61,32 @@ async def test_predicted_load_back_runs_on_a_wakeup_between_ticks():
     ticks: list[float] = []
     tick = policy.tick
     policy.tick = lambda now: ticks.append(now) or tick(now)  # count, then run for real
-    router = Router(config, policy=policy)
+    live = Router(config, policy=policy)
     policy.add_replica(url, ReplicaCapacity(3000, 10_000))
     try:
-        now = router.clock()
-        router.apply(policy.on_request("A", now, 2000))
+        now = live.clock()
+        live.apply(policy.on_request("A", now, 2000))
         assert policy.route("A") == url
-        router.apply(policy.on_response("A", now, 2000))
-        router.apply(policy.on_request("B", now, 2000))
+        live.apply(policy.on_response("A", now, 2000))
+        live.apply(policy.on_request("B", now, 2000))
         assert policy.route("B") is None  # no room: B waits at the gate
 
-        started = router.clock()
-        router.apply(policy.on_tool_start("A", started, "Read", predict_s=4.0))  # 2.25 s
+        started = live.clock()
+        live.apply(policy.on_tool_start("A", started, "Read", predict_s=4.0))  # 2.25 s
         assert policy.describe("A", started)["tier"] == "cpu" and policy.route("B") == url
-        router.apply(policy.on_response("B", router.clock(), 2000))
-        router.end_program("B")
-        assert policy.describe("A", router.clock())["tier"] == "cpu"  # not due yet
+        live.apply(policy.on_response("B", live.clock(), 2000))
+        live.end_program("B")
+        assert policy.describe("A", live.clock())["tier"] == "cpu"  # not due yet
 
         due = started + 2.25 - policy.load_s(policy.programs["A"]) - 1.5
-        while policy.describe("A", router.clock())["tier"] == "cpu":
-            assert router.clock() < due + 2.0, "no wake-up promoted A"
+        while policy.describe("A", live.clock())["tier"] == "cpu":
+            assert live.clock() < due + 2.0, "no wake-up promoted A"
             await asyncio.sleep(0.01)
-        assert router.clock() >= due - 0.01
-        assert _moves(router, "promote_predicted") == 1
+        assert live.clock() >= due - 0.01
+        assert _moves(live, "promote_predicted") == 1
         assert 1 <= len(ticks) <= 3  # one timer (maybe re-armed once if it fired early)
     finally:
-        await router.stop()
+        await live.stop()
 
 
 # --- tool keys: what a response ends in, keyed as the predictor keys it ------------------
@@ -131,3 +141,77 @@ def test_anthropic_tool_use_blocks_give_the_predictor_key():
     assert stream.finish().tool == "Bash:make"
     one = {"choices": [{"message": {"tool_calls": [{"function": {"name": "Edit"}}]}}]}
     assert openai_body(json.dumps(one).encode()).tool == "Edit"
+
+
+# --- end to end: OpenAI SDK -> mori serve --policy mori+predict -> mori emulate -----------
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def predict_base():
+    with (
+        emulators(1, "--time-scale", "20") as replicas,
+        router(replicas, policy="mori+predict") as url,
+    ):
+        yield url
+
+
+def test_tool_calls_and_tool_start_reach_the_predictor(predict_base):
+    c = client(predict_base)
+    call = {"name": "bash", "arguments": {"command": "cd repo && pytest -x tests"}}
+    extra = {"agent": "tester", "mori_tool_call": call}
+    answer = c.chat.completions.create(**chat("pred-1", extra_body=extra), tools=[BASH_TOOL])
+    assert answer.choices[0].finish_reason == "tool_calls"
+    view = httpx.get(predict_base + "/v1/programs/pred-1").json()
+    assert view["last_tool"] == "bash:pytest" and view["agent"] == "tester"
+    assert view["predicted_tool_s"] == 30.0  # cold start of a long shell command
+    assert 0 < view["predicted_tool_end_s"] <= 30.0
+
+    hint = {"tool": "bash:pytest", "predict_time": 100}
+    r = httpx.post(predict_base + "/v1/programs/pred-1/tool_start", json=hint)
+    assert r.status_code == 200
+    view = httpx.get(predict_base + "/v1/programs/pred-1").json()
+    assert view["predicted_tool_s"] == 65.0  # Tokencake eq. 1: 0.5 * 100 + 0.5 * 30
+    assert view["agent"] is None  # this call named no role
+
+    httpx.post(predict_base + "/v1/programs/pred-1/tool_end").raise_for_status()
+    assert httpx.get(predict_base + "/v1/programs/pred-1").json()["predicted_tool_end_s"] is None
+    role = {"X-Agent-Role": "planner"}
+    plain = c.chat.completions.create(**chat("pred-1", "next"), extra_headers=role)
+    assert plain.choices[0].finish_reason != "tool_calls"
+    view = httpx.get(predict_base + "/v1/programs/pred-1").json()
+    assert view["last_tool"] == "bash:pytest" and view["steps"] == 2  # no new tool call
+    assert_clean(predict_base)
+
+
+def test_agent_role_is_validated_and_stripped_before_forwarding():
+    replica = ScriptedReplica()
+    with serve(replica) as url, router([url], policy="mori+predict") as base:
+        body = {
+            "model": "m",
+            "max_tokens": 64,
+            "agent": "explorer",
+            "metadata": {"user_id": "anth-role"},
+            "messages": [{"role": "user", "content": "list files"}],
+        }
+        assert httpx.post(base + "/v1/messages", json=body).status_code == 200
+        assert "agent" not in replica.last_body
+        view = httpx.get(base + "/v1/programs/anth-role").json()
+        assert view["last_tool"] == "Bash:ls" and view["agent"] == "explorer"
+        assert view["predicted_tool_s"] == 0.5  # `ls` is a fast shell command
+
+        headed = {**body, "messages": [*body["messages"], {"role": "user", "content": "more"}]}
+        del headed["agent"]
+        r = httpx.post(base + "/v1/messages", json=headed, headers={"x-agent-role": "reviewer"})
+        assert r.status_code == 200
+        assert httpx.get(base + "/v1/programs/anth-role").json()["agent"] == "reviewer"
+
+        bad = httpx.post(base + "/v1/messages", json={**body, "agent": 7})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "agent"
+        assert_clean(base)

@@ -73,6 +73,7 @@ class Policy(ABC):
         self._pending_hints: dict[str, dict[str, Hint]] = defaultdict(dict)
         self._held: dict[str, Program] = {}  # requests at the gate, in arrival order
         self._marked: dict[str, dict[str, Program]] = {}  # replica -> lazily demoted programs
+        self.last_tool: dict[str, tuple[str, str | None]] = {}  # program -> (tool, agent role)
 
     @property
     def engine_mode(self) -> EngineMode:
@@ -157,6 +158,7 @@ class Policy(ABC):
         if p is None:
             return []
         self._held.pop(program_id, None)
+        self.last_tool.pop(program_id, None)
         move = self._move(p, WAITING, reason, now) if p.placement.tier is not Tier.WAITING else None
         if move is None and p.last_replica is not None:
             self._pending_hints[p.last_replica][program_id] = Hint.INACTIVE
@@ -173,8 +175,11 @@ class Policy(ABC):
     ) -> list[Move]:
         """The agent is about to run `tool` (seen in the response, or told by the client).
 
-        Reactive policies ignore it; predictive ones (Tokencake) act on it.
+        Reactive policies only record it (`describe` shows it); predictive ones
+        (Tokencake) act on it, and call this first.
         """
+        if program_id in self.programs:
+            self.last_tool[program_id] = (tool, agent)
         return []
 
     def on_tool_end(self, program_id: str, now: float) -> list[Move]:
@@ -224,6 +229,7 @@ class Policy(ABC):
         p = self.programs.get(program_id)
         if p is None:
             return None
+        tool, agent = self.last_tool.get(program_id, (None, None))
         return {
             "program_id": p.program_id,
             "tier": p.placement.tier.value,
@@ -234,6 +240,8 @@ class Policy(ABC):
             "context_tokens": p.context_tokens,
             "steps": p.steps,
             "recent_cycles": [{"reasoning_s": r, "acting_s": a} for r, a in p.cycles],
+            "last_tool": tool,
+            "agent": agent,
         }
 
     # for subclasses ---------------------------------------------------------------

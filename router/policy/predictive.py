@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from router.policy.base import PolicyConfig
 from router.policy.mori import Idleness, MoriPolicy
@@ -145,6 +146,7 @@ class PredictivePolicy(MoriPolicy):
         agent: str | None = None,
         predict_s: float | None = None,
     ) -> list[Move]:
+        super().on_tool_start(program_id, now, tool, agent, predict_s)
         p = self.programs.get(program_id)
         if p is None or p.status is not Status.ACTING:
             return []
@@ -225,6 +227,18 @@ class PredictivePolicy(MoriPolicy):
                 times.append(self.promote_at(p))
         future = [t for t in times if t is not None and t > now + _EPS]
         return min(future) if future else None
+
+    def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
+        """Adds the forecast of the tool call the program is in: its predicted duration,
+        and seconds left until its predicted end (negative: overdue; None once ended)."""
+        view = super().describe(program_id, now)
+        if view is None:
+            return None
+        call = self.calls.get(program_id)
+        view["predicted_tool_s"] = None if call is None else round(call.predicted_s, 3)
+        ended = call is None or call.ended_s is not None
+        view["predicted_tool_end_s"] = None if ended else round(call.predicted_end_s - now, 3)
+        return view
 
     # predictive moves -------------------------------------------------------------
     def _room_for(self, p: Program, gpu: Placement) -> bool:
