@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -231,16 +232,24 @@ def replica_view(router: Router, url: str) -> dict[str, Any]:
 
 # --- request parsing --------------------------------------------------------------------
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing more than `limit` bytes without reading them all (413)."""
+    """The body, refusing more than `limit` bytes without reading them all (413).
+
+    A client that leaves mid-body gets a 499 nobody reads (the server drops it): no
+    router state exists for the request yet, so there is nothing else to undo."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(
+                    413, f"request body larger than {limit} bytes", code="body_too_large"
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:  # e.g. a replay cancelled at shutdown: nothing was started yet
+        raise ApiError(499, "client closed the request", code="client_disconnect") from None
     return b"".join(chunks)
 
 

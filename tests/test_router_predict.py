@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
+from router.api import create_app
 from router.config import load_config
 from router.controller import Router, policy_config
 from router.policy import PolicyConfig
@@ -215,3 +217,42 @@ def test_agent_role_is_validated_and_stripped_before_forwarding():
         bad = httpx.post(base + "/v1/messages", json={**body, "agent": 7})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "agent"
         assert_clean(base)
+
+
+# --- a client that leaves while its body is being read -----------------------------------
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/programs/p-1/tool_start"])
+async def test_client_gone_mid_body_is_not_an_error(path, caplog):
+    """Replay cancelling in-flight requests at shutdown: the body never completes."""
+    app = create_app(load_config(None, {"replicas": ["http://127.0.0.1:9"]}, env={}))
+    messages = [
+        {"type": "http.request", "body": b'{"messages": [{"role": "us', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"200")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
+    with caplog.at_level(logging.DEBUG):
+        await app(scope, receive, send)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert sent[0]["status"] == 499  # the server drops it: the client is gone
+    live = app.state.router
+    assert live.in_flight == 0 and live.gate.waiting == 0 and not live.policy.programs
