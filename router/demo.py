@@ -1,5 +1,6 @@
 """`mori demo`: the whole stack on one machine, no GPU: two emulated replicas, the router,
-and a closed-loop replay of the committed agent corpus, then the result table.
+and a closed-loop replay of the committed agent corpus, once per policy (MORI and the
+ThunderAgent+offload baseline by default), then the results side by side with MORI's ratios.
 
 The replicas are `mori emulate` with small KV budgets, so a dozen agent programs do not fit
 on the GPU tier and the policy's tiering decisions show in the numbers. Everything runs
@@ -27,6 +28,9 @@ from rich.console import Console
 from router.policy import PolicyConfig, make_policy, policy_names
 from router.replay.cli import replay_with_progress
 from router.replay.client import ReplayConfig
+from router.replay.records import RunResult
+from router.replay.report import console as report_console
+from router.replay.report import ratio_table, results_table, write_reports
 from router.replay.trace import TraceError, TraceProgram, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,9 +41,18 @@ ROUTER_TIMERS_S = {"tick_s": 5.0, "hint_sync_s": 30.0, "lease_s": 900.0}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--duration", type=float, default=60.0, help="wall seconds to replay")
+    parser.add_argument(
+        "--duration", type=float, default=45.0, help="wall seconds to replay, per policy"
+    )
     parser.add_argument("--concurrency", type=int, default=12, help="closed-loop agent programs")
-    parser.add_argument("--policy", default="mori", help="router policy (mori, ta+o, ta, smg...)")
+    parser.add_argument(
+        "--policies",
+        "--policy",
+        dest="policies",
+        default="mori,ta+o",
+        help="comma list of router policies to compare, each on a fresh stack "
+        f"({', '.join(policy_names())})",
+    )
     parser.add_argument("--time-scale", type=float, default=5.0, help="speed-up over real time")
     parser.add_argument("--trace", help="trace corpus (default: the committed generated one)")
     parser.add_argument("--token-scale", type=float, help="multiply token counts (default 0.25)")
@@ -51,7 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-running",
         action="store_true",
-        help="leave the router and replicas up after the replay (Ctrl-C stops)",
+        help="leave the last policy's router and replicas up after its replay (Ctrl-C stops)",
     )
 
 
@@ -138,9 +151,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def start_stack(args: argparse.Namespace, stack: Stack) -> str:
+def start_stack(args: argparse.Namespace, policy: str, stack: Stack) -> str:
     """Replicas with the engine behaviour the policy expects, then the router: its URL."""
-    mode = make_policy(args.policy, PolicyConfig()).engine_mode
+    mode = make_policy(policy, PolicyConfig()).engine_mode
     urls = []
     for i in range(args.replicas):
         port = free_port()
@@ -172,7 +185,7 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
         "--port",
         str(port),
         "--policy",
-        args.policy,
+        policy,
         "--log-level",
         "warning",
     ]
@@ -182,11 +195,13 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
-    if args.policy not in policy_names():
+    console = report_console()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown or not policies:
         console.print(
-            f"[red]mori demo: unknown policy {args.policy!r}; known: "
-            f"{', '.join(policy_names())}[/red]"
+            f"[red]mori demo: unknown policy {', '.join(map(repr, unknown)) or '(none)'}; "
+            f"known: {', '.join(policy_names())}[/red]"
         )
         return 2
     try:
@@ -199,57 +214,84 @@ def run(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             token_scale=token_scale,
             seed=args.seed,
-            policy_label=args.policy,
+            policy_label=policies[0],
             cpu_ratio=args.host_tokens / args.gpu_tokens,
         )
     except (FileNotFoundError, TraceError, ValueError) as e:
         console.print(f"[red]mori demo: {e}[/red]")
         return 2
-    out = Path(args.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    stack = Stack(out / "logs", console)
+    console.print(
+        f"[bold]mori demo[/bold]: {args.replicas} emulated replicas "
+        f"({args.gpu_tokens} GPU + {args.host_tokens} host KV tokens each), "
+        f"{args.concurrency} programs from {trace.name} (tokens x{config.token_scale:g}), "
+        f"{args.duration:g} s at x{args.time_scale:g} speed per policy: {', '.join(policies)}"
+    )
     try:
         with _sigterm_as_interrupt():
-            return _demo(args, stack, corpus, config, trace, console)
+            results = []
+            for i, policy in enumerate(policies):
+                keep = args.keep_running and i == len(policies) - 1
+                config = dataclasses.replace(config, policy_label=policy)
+                result = _demo_policy(args, policy, corpus, config, console, keep)
+                if result is None:  # --keep-running: the stack was held until it stopped
+                    return 1
+                results.append(result)
+            _report(results, Path(args.out), trace, args.concurrency, console)
+            return 0
     except KeyboardInterrupt:
         console.print("[yellow]mori demo: interrupted, shutting down[/yellow]")
         return 130
     except RuntimeError as e:
         console.print(f"[red]mori demo: {e}[/red]")
         return 1
+
+
+def _demo_policy(
+    args: argparse.Namespace,
+    policy: str,
+    corpus: list[TraceProgram],
+    config: ReplayConfig,
+    console: Console,
+    keep_running: bool,
+) -> RunResult | None:
+    """One policy on a fresh stack (engines matched to it); None if held up until stopped."""
+    logs = Path(args.out) / "logs" / policy
+    logs.mkdir(parents=True, exist_ok=True)
+    stack = Stack(logs, console)
+    try:
+        router = start_stack(args, policy, stack)
+        console.print(f"[bold]{policy}[/bold]: router up at {router} (logs in {logs})")
+        result = replay_with_progress(
+            corpus, dataclasses.replace(config, endpoint=router), console, show_table=False
+        )
+        if keep_running:
+            _hold(router, stack, console)
+            return None
+        return result
     finally:
         stack.stop()
 
 
-def _demo(
-    args: argparse.Namespace,
-    stack: Stack,
-    corpus: list[TraceProgram],
-    config: ReplayConfig,
-    trace: Path,
-    console: Console,
-) -> int:
-    out = Path(args.out)
-    console.print(
-        f"[bold]mori demo[/bold]: {args.replicas} emulated replicas "
-        f"({args.gpu_tokens} GPU + {args.host_tokens} host KV tokens each), policy "
-        f"{args.policy}, {args.concurrency} programs from {trace.name} "
-        f"(tokens x{config.token_scale:g}), {args.duration:g} s at x{args.time_scale:g} speed"
-    )
-    router = start_stack(args, stack)
-    console.print(f"router up at {router} (logs in {out / 'logs'})")
-    title = f"mori demo: {args.policy}, {args.concurrency} programs, {trace.name}"
-    replay_with_progress(
-        corpus, dataclasses.replace(config, endpoint=router), console, out / "demo.json", title
-    )
-    if args.keep_running:
-        console.print(f"\nrouter: {router}/v1 (metrics {router}/metrics, {router}/v1/programs)")
-        for name, url in stack.urls.items():
-            if name != "router":
-                console.print(f"{name}: {url} ({url}/mori/residency)")
-        console.print(f"logs: {out / 'logs'}; the stack stays up until Ctrl-C")
-        while all(p.poll() is None for _, p in stack.procs):
-            time.sleep(1.0)
-        console.print("[red]a server of the stack exited; shutting down[/red]")
-        return 1
-    return 0
+def _hold(router: str, stack: Stack, console: Console) -> None:
+    """--keep-running: print the URLs and wait until Ctrl-C or a server exits."""
+    console.print(f"\nrouter: {router}/v1 (metrics {router}/metrics, {router}/v1/programs)")
+    for name, url in stack.urls.items():
+        if name != "router":
+            console.print(f"{name}: {url} ({url}/mori/residency)")
+    console.print(f"logs: {stack.logs}; the stack stays up until Ctrl-C")
+    while all(p.poll() is None for _, p in stack.procs):
+        time.sleep(1.0)
+    console.print("[red]a server of the stack exited; shutting down[/red]")
+
+
+def _report(
+    results: list[RunResult], out: Path, trace: Path, concurrency: int, console: Console
+) -> None:
+    """The policies side by side, MORI's ratios, and the JSON/CSV/plots."""
+    title = f"mori demo: {concurrency} programs, {trace.name}"
+    console.print(results_table(results, title))
+    table = ratio_table(results)
+    if table is not None:
+        console.print(table)
+    for path in write_reports(results, out / "demo.json", title, {"trace": str(trace)}):
+        console.print(f"wrote {path}")

@@ -5,4 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
 [[ "${MORI_SKIP_SGLANG:-0}" == 1 ]] || scripts/install_sglang_cpu.sh  # real engine for -m sglang tests
+# docker-compose 1.29 (Debian) validates the compose files in tests/test_deploy.py; no engine needed.
+command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
+  || { (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null 2>&1 \
+       || echo "test.sh: docker-compose unavailable; compose config checks will skip"; }
 python3 -m pytest -q "$@"

@@ -22,22 +22,27 @@ def _no_listener(url: str) -> bool:
     return False
 
 
-def test_short_demo_writes_results_and_stops_its_servers(tmp_path):
-    argv = mori("demo", "--duration", "8", "--concurrency", "6", "--out", str(tmp_path))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+def test_short_demo_compares_policies_and_stops_its_servers(tmp_path):
+    argv = mori("demo", "--duration", "6", "--concurrency", "6", "--out", str(tmp_path))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    row = json.loads((tmp_path / "demo.json").read_text())["results"][0]
-    assert set(JSON_FIELDS) <= set(row)
-    assert row["policy"] == "mori" and row["concurrency"] == 6
-    assert row["output_tok_s"] > 0 and row["steps_s"] > 0 and row["failed_steps"] == 0
-    assert 0 < row["hit_device"] + row["hit_host"] <= 1
+    report = json.loads((tmp_path / "demo.json").read_text())
+    rows = {row["policy"]: row for row in report["results"]}
+    assert set(rows) == {"mori", "ta+o"}  # the default comparison
+    for row in rows.values():
+        assert set(JSON_FIELDS) <= set(row) and row["concurrency"] == 6
+        assert row["output_tok_s"] > 0 and row["steps_s"] > 0 and row["failed_steps"] == 0
+        assert 0 < row["hit_device"] + row["hit_host"] <= 1
+    assert [r["versus"] for r in report["ratios"]] == ["ta+o"]
+    assert "mori relative to each policy" in done.stdout
     assert (tmp_path / "demo.csv").is_file() and (tmp_path / "demo-throughput.png").is_file()
-    assert "wrote" in done.stdout
-    router_log = (tmp_path / "logs" / "router.log").read_text()
-    for name in ("replica0", "replica1"):
-        first = (tmp_path / "logs" / f"{name}.log").read_text().splitlines()[0]
-        url = first.split(" on ")[1].split()[0]
-        assert _no_listener(url + "/health"), f"{name} still up after the demo: {router_log}"
+    for policy in rows:
+        logs = tmp_path / "logs" / policy
+        router_log = (logs / "router.log").read_text()
+        for name in ("replica0", "replica1"):
+            first = (logs / f"{name}.log").read_text().splitlines()[0]
+            url = first.split(" on ")[1].split()[0]
+            assert _no_listener(url + "/health"), f"{name} still up after the demo: {router_log}"
 
 
 def test_demo_rejects_unknown_policy(tmp_path):
@@ -47,12 +52,21 @@ def test_demo_rejects_unknown_policy(tmp_path):
         text=True,
         timeout=30,
     )
-    assert done.returncode == 2 and "unknown policy" in done.stdout
+    assert done.returncode == 2 and "unknown policy 'nope'" in done.stdout
 
 
 def test_keep_running_stack_stops_on_interrupt(tmp_path):
     argv = mori(
-        "demo", "--duration", "3", "--concurrency", "2", "--keep-running", "--out", str(tmp_path)
+        "demo",
+        "--policy",
+        "mori",
+        "--duration",
+        "3",
+        "--concurrency",
+        "2",
+        "--keep-running",
+        "--out",
+        str(tmp_path),
     )
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -72,6 +72,7 @@ def replay_with_progress(
     console: Console,
     json_out: str | Path | None = None,
     title: str = "",
+    show_table: bool = True,
 ) -> RunResult:
     """Run one replay with a progress bar, print its table, write the reports."""
     from router.replay.report import results_table, write_reports
@@ -97,7 +98,8 @@ def replay_with_progress(
             bar.update(task, completed=fraction, stats=text)
 
         result = asyncio.run(run.run(tick))
-    console.print(results_table([result], title or f"live replay at {config.endpoint}"))
+    if show_table:
+        console.print(results_table([result], title or f"live replay at {config.endpoint}"))
     for error, count in sorted(run.progress.errors.items()):
         console.print(f"[yellow]{count} steps failed: {error}[/yellow]")
     if json_out:
@@ -110,7 +112,9 @@ def replay_with_progress(
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    from router.replay.report import console as report_console
+
+    console = report_console()
     try:
         corpus = load_trace(args.trace)
         config = ReplayConfig(

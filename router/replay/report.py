@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from router.replay.records import RunResult
@@ -33,6 +34,12 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("churn", "churn", "{:.1%}"),
 ]
 JSON_FIELDS = ["policy", "concurrency", "cpu_ratio"] + [c[0] for c in COLUMNS]
+
+
+def console(stderr: bool = False) -> Console:
+    """A console for reports: piped into a file, rich would cut the wide tables at 80 columns."""
+    out = Console(stderr=stderr)
+    return out if out.is_terminal else Console(stderr=stderr, width=160)
 
 
 def _cell(r: RunResult) -> tuple[int, float]:
@@ -138,28 +145,41 @@ def plot(results: list[RunResult], path: Path, title: str = "") -> list[Path]:
             1, len(cpu_ratios), figsize=(4.5 * len(cpu_ratios), 3.6), squeeze=False, sharey=True
         )
         for ax, ratio in zip(axes[0], cpu_ratios, strict=True):
-            for policy in policies:
-                pts = sorted(
-                    (r.concurrency, getattr(r, metric))
-                    for r in results
-                    if r.policy == policy and r.cpu_ratio == ratio
-                )
-                if pts:
-                    xs, ys = zip(*pts, strict=True)
-                    ax.plot(xs, ys, marker="o", label=policy)
+            panel = [r for r in results if r.cpu_ratio == ratio]
+            if len({r.concurrency for r in panel}) == 1:
+                _bars(ax, panel, policies, metric)
+            else:
+                _lines(ax, panel, policies, metric)
             ax.set_title(f"CPU ratio {ratio:g}x")
-            ax.set_xlabel("concurrent programs")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(label)
-        axes[0][-1].legend()
         if title:
-            fig.suptitle(title)
+            fig.suptitle(title, fontsize=9)
         fig.tight_layout()
         out = path.with_name(f"{path.stem}-{suffix}.png")
         fig.savefig(out, dpi=120)
         plt.close(fig)
         written.append(out)
     return written
+
+
+def _lines(ax, panel: list[RunResult], policies: list[str], metric: str) -> None:
+    """Metric versus concurrency, one line per policy (MORI Figs. 7-9)."""
+    for policy in policies:
+        pts = sorted((r.concurrency, getattr(r, metric)) for r in panel if r.policy == policy)
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o", label=policy)
+    ax.set_xlabel("concurrent programs")
+    ax.legend()
+
+
+def _bars(ax, panel: list[RunResult], policies: list[str], metric: str) -> None:
+    """One concurrency only (a demo, a single live replay): a bar per policy reads better."""
+    by_policy = {r.policy: getattr(r, metric) for r in panel}
+    names = [p for p in policies if p in by_policy]
+    ax.bar(names, [by_policy[p] for p in names], color=[f"C{i}" for i in range(len(names))])
+    ax.set_xlabel(f"policy ({panel[0].concurrency} concurrent programs)")
 
 
 def write_reports(

@@ -167,14 +167,12 @@ def run_cells(trace: str, configs: list[SimConfig], jobs: int, on_done=None) -> 
 
 
 def run(args) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from router.replay.report import console as report_console
     from router.replay.report import ratio_table, results_table, write_reports
 
-    console = Console()
-    if not console.is_terminal:  # piped into a file: keep the wide table readable
-        console = Console(width=160)
+    console = report_console()
     try:
         sc, configs = _build(args)
         _corpus(sc.trace)  # validate before starting workers
