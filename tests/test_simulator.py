@@ -7,8 +7,9 @@ import pytest
 from router.policy import REGISTRY
 from router.policy.base import Policy
 from router.policy.types import Move, Placement, Tier
+from router.replay.corpus import scale_program
 from router.replay.trace import TraceProgram, TraceStep
-from router.sim.simulator import SimConfig, Simulation, scale_program
+from router.sim.simulator import SimConfig, Simulation
 
 
 class ForwardAll(Policy):

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -29,10 +27,10 @@ from urllib.parse import quote
 import httpx
 import openai
 
+from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
-from router.sim.simulator import scale_program
 
 UTIL_SAMPLE_S = 1.0  # wall seconds between GPU-utilisation samples
 
@@ -88,21 +86,9 @@ class Replay:
     """One live run; `await run()` returns (RunResult, records)."""
 
     def __init__(self, corpus: list[TraceProgram], config: ReplayConfig) -> None:
-        if not corpus:
-            raise ValueError("empty corpus")
         self.config = config
-        programs = [scale_program(p, config.token_scale) for p in corpus]
-        self.children: dict[str, list[TraceProgram]] = {}
-        for p in programs:
-            if p.parent_id is not None:
-                self.children.setdefault(p.parent_id, []).append(p)
-        self.mains = [p for p in programs if p.parent_id is None]
-        if not self.mains:
-            raise ValueError("corpus has no main program (every program has a parent_id)")
-        self.rng = random.Random(config.seed)
-        self.rng.shuffle(self.mains)
-        self.cursor = itertools.count()
-        self.instances = itertools.count()
+        self.corpus = ClosedLoopCorpus(corpus, config.token_scale, config.seed)
+        self.rng = self.corpus.rng
         self.run_tag = uuid.uuid4().hex[:6]  # program ids never collide with an earlier run
         self.records: list[StepRecord] = []
         self.progress = Progress()
@@ -213,12 +199,11 @@ class Replay:
         """One closed-loop client: programs back to back for the whole run."""
         await self._sleep_trace(delay)
         while True:
-            program = self.mains[next(self.cursor) % len(self.mains)]
-            await self._program(program)
+            await self._program(self.corpus.next_main())
 
     async def _program(self, program: TraceProgram) -> None:
-        pid = f"{self.run_tag}-{program.program_id}.{next(self.instances)}"
-        for child in self.children.get(program.program_id, ()):
+        pid = f"{self.run_tag}-{program.program_id}.{self.corpus.next_instance()}"
+        for child in self.corpus.subagents(program):
             self._spawn(self._subagent(child))
         conversation = Conversation(pid, program.agent, program.anchor_tokens, self.config.seed)
         self._live.add(pid)

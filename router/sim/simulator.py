@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.types import ReplicaCapacity
+from router.replay.corpus import ClosedLoopCorpus
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
 from router.sim.model import Done, FirstToken, ReplicaEngine
@@ -98,42 +98,14 @@ class _Request:
 _ENGINE, _TICK, _ARRIVE, _SPAWN, _WAKE = range(5)
 
 
-def scale_program(program: TraceProgram, scale: float) -> TraceProgram:
-    """Multiply every token count (prompt, output, reuse) by `scale`, keeping them valid:
-    a reused prefix never exceeds the new prompt nor the previous step's context."""
-    if scale == 1.0:
-        return program
-    steps: list[TraceStep] = []
-    for st in program.steps:
-        prompt = max(1, round(st.input_tokens * scale))
-        limit = steps[-1].input_tokens + steps[-1].output_tokens if steps else 0
-        reused = min(round(st.reused_tokens * scale), limit, prompt)
-        out = round(st.output_tokens * scale)
-        steps.append(TraceStep(prompt, out, reused, st.tool_s, st.tool))
-    anchor = min(round(program.anchor_tokens * scale), steps[0].input_tokens)
-    return replace(program, steps=tuple(steps), anchor_tokens=anchor)
-
-
 class Simulation:
     """A single run; `run()` returns the cell's RunResult."""
 
     def __init__(self, corpus: list[TraceProgram], config: SimConfig) -> None:
-        if not corpus:
-            raise ValueError("empty corpus")
         self.config = config
-        programs = [scale_program(p, config.token_scale) for p in corpus]
-        self.children: dict[str, list[TraceProgram]] = {}
-        for p in programs:
-            if p.parent_id is not None:
-                self.children.setdefault(p.parent_id, []).append(p)
-        self.mains = [p for p in programs if p.parent_id is None]
-        if not self.mains:
-            raise ValueError("corpus has no main program (every program has a parent_id)")
-        self.rng = random.Random(config.seed)
-        self.rng.shuffle(self.mains)
+        self.corpus = ClosedLoopCorpus(corpus, config.token_scale, config.seed)
+        self.rng = self.corpus.rng
         self.preset = get_preset(config.preset)
-        self.cursor = itertools.count()
-        self.instances = itertools.count()
         self.rids = itertools.count()
         self.seq = itertools.count()
         self.heap: list[tuple[float, int, int, object]] = []
@@ -250,9 +222,9 @@ class Simulation:
     def _start_client(self, program: TraceProgram | None) -> None:
         """Start a program instance: the next main program (None) or a given subagent."""
         if program is None:
-            program = self.mains[next(self.cursor) % len(self.mains)]
-        client = _Client(f"{program.program_id}#{next(self.instances)}", program)
-        for child in self.children.get(program.program_id, ()):
+            program = self.corpus.next_main()
+        client = _Client(f"{program.program_id}#{self.corpus.next_instance()}", program)
+        for child in self.corpus.subagents(program):
             self._push(self.now + child.start_s, _SPAWN, child)
         self._on_arrive(client)
 
