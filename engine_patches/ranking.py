@@ -9,7 +9,7 @@ prefix (system prompt) is never evicted because one of its users went idle.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableSequence
-from enum import Enum
+from enum import StrEnum
 from typing import TypeVar
 
 from router.policy.types import Hint
@@ -20,7 +20,7 @@ T = TypeVar("T")
 DEFAULT_HINT = Hint.BUSY
 
 
-class CacheTier(str, Enum):
+class CacheTier(StrEnum):
     """The two HiCache tiers a radix node's KV can sit on."""
 
     DEVICE = "device"

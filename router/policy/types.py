@@ -7,10 +7,10 @@ router, the simulator and the tests without any I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class Tier(str, Enum):
+class Tier(StrEnum):
     """Where a program's KV cache is meant to live."""
 
     GPU = "gpu"  # per replica: KV in HBM, requests forwarded at once
@@ -18,7 +18,7 @@ class Tier(str, Enum):
     WAITING = "waiting"  # global: KV discarded, a promotion recomputes it
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     """Instantaneous status of a program (MORI 4.1).
 
     GATED is neither reasoning nor acting: a request is held by the gate, and that
@@ -30,7 +30,7 @@ class Status(str, Enum):
     GATED = "gated"
 
 
-class Hint(str, Enum):
+class Hint(StrEnum):
     """Typed offload hint pushed to the engine for each program on a replica."""
 
     BUSY = "busy"  # GPU tier: keep on device, load back from host
@@ -38,7 +38,7 @@ class Hint(str, Enum):
     INACTIVE = "inactive"  # WAITING or ended: first to go on both tiers
 
 
-class MoveReason(str, Enum):
+class MoveReason(StrEnum):
     """Why a program changed tier; a label on the moves metric."""
 
     ADMIT = "admit"  # a request found room on arrival
