@@ -473,3 +473,31 @@ def test_aged_request_goes_before_a_higher_class():
     shrink(policy, 500, 500)  # room for one of them
     moves = policy.tick(20.5)  # the WAITING request has waited 18.5 s >= aging_s
     assert [m.program_id for m in moves] == [waiting_id]
+
+
+# growth reserve ----------------------------------------------------------------------------
+def _growing(policy: Policy) -> None:
+    """a grew by 200 tokens in its last step and is reasoning again (550 of 1000 tokens)."""
+    step(policy, "a", 0.0, 300)
+    policy.on_request("a", 1.5, 400)
+    policy.on_response("a", 2.5, 500)  # last step: 300 -> 500
+    policy.on_request("a", 3.0, 550)
+    assert policy.route("a") == "r0"
+
+
+def test_promotion_leaves_room_for_the_growth_of_reasoning_programs():
+    policy = make()
+    _growing(policy)
+    assert policy.promotion_reserve("r0") == 200
+    policy.on_request("n", 3.1, 400)  # fits the 450 free tokens, not 450 - 200
+    assert policy.route("n") is None
+    assert policy.tick(5.0) == [] and policy.route("n") is None
+
+
+def test_acting_programs_reserve_nothing():
+    policy = make()
+    _growing(policy)
+    policy.on_response("a", 4.0, 600)  # a acting (600): 400 free, no reserve
+    assert policy.promotion_reserve("r0") == 0
+    policy.on_request("n", 4.1, 400)
+    assert policy.route("n") == "r0"

@@ -48,7 +48,10 @@ def fits_somewhere(policy: Policy, p) -> bool:
         return any(policy.remaining(r) >= policy.cost(p) for r in healthy)
     if p.placement.tier is Tier.CPU:  # MORI: CPU programs keep their replica
         healthy = [p.placement.replica] if p.placement.replica in healthy else []
-    return any(p.context_tokens <= policy.tiers.free(Placement(Tier.GPU, r)) for r in healthy)
+    reserve = policy.promotion_reserve if isinstance(policy, MoriPolicy) else lambda r: 0
+    return any(
+        p.context_tokens <= policy.tiers.free(Placement(Tier.GPU, r)) - reserve(r) for r in healthy
+    )
 
 
 def check_tiers(policy: Policy) -> None:

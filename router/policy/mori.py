@@ -14,6 +14,9 @@ a rule of the paper; the choices the paper leaves open are explained in docs/pol
   first; least idle first within a class. WAITING promotions are packed by size
   decreasing onto the program's last replica when it fits, else the replica with the
   most room.
+* Growth reserve (ours; see docs/policy.md): promotions leave free, per replica, the
+  last-step context growth of its REASONING programs, so their steps' growth does not
+  overflow a brim-full tier and force a demotion (and a promotion back) per step.
 * Stickiness: nothing moves without a capacity violation, or a phase mismatch: a
   class-1/2 request that does not fit may displace ACTING GPU programs of its target
   replica that are more idle than it by at least `hysteresis`.
@@ -30,7 +33,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import replace
 
-from router.policy.base import Policy
+from router.policy.base import Policy, PolicyConfig
 from router.policy.program import Program
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
 
@@ -55,6 +58,32 @@ class MoriPolicy(Policy):
 
     name = "mori"
 
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self._context_after: dict[str, int] = {}  # context after each program's last step
+        self._growth: dict[str, int] = {}  # context growth of its last step (tokens)
+
+    def promotion_reserve(self, replica: str) -> int:
+        """Room promotions leave free on GPU(replica): the last-step growth of its
+        REASONING programs, i.e. what the tier will grow by when their steps end.
+
+        Agent contexts grow every step (tool result + output). A tier packed to the brim
+        overflows at the next step end, and the demotion that fixes a ~1k-token overflow
+        moves a whole ~50k-token program, whose room the gate refills at once: one swap
+        per step (generated corpus, 80 programs: ~580 demotions/h, most victims back
+        within 1 s, 17% of prompt tokens recomputed). Demotion still triggers only above
+        the budget, so the reserve is a band between the promotion and the demotion
+        watermarks. ACTING programs reserve nothing: most idle ones are the victims, and
+        reserving for them held GPU room empty on the idle-heavy Claude Code sample.
+        """
+        gpu = Placement(Tier.GPU, replica)
+        reasoning = Status.REASONING
+        return sum(
+            self._growth.get(p.program_id, 0)
+            for p in self.tiers.members(gpu)
+            if p.status is reasoning
+        )
+
     # events ---------------------------------------------------------------------------
     def _admit(self, p: Program, now: float) -> list[Move]:
         if p.placement.tier is Tier.GPU:
@@ -68,12 +97,18 @@ class MoriPolicy(Policy):
     def _after_response(self, p: Program, now: float) -> list[Move]:
         """A step ended: its context may have grown past the budget, and a lazy demotion
         may have freed room that waiting requests can use right away."""
+        before = self._context_after.get(p.program_id)
+        self._context_after[p.program_id] = p.context_tokens
+        if before is not None:
+            self._growth[p.program_id] = max(0, p.context_tokens - before)
         moves = self._demote(p.placement.replica, now) if p.placement.tier is Tier.GPU else []
         return moves + self._promote(now)
 
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
         """An ended program's room goes to the gate at once, not at the next tick."""
         moves = super().end(program_id, now, reason)
+        self._context_after.pop(program_id, None)
+        self._growth.pop(program_id, None)
         return moves + self._promote(now) if moves else moves
 
     def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
@@ -154,7 +189,9 @@ class MoriPolicy(Policy):
         replicas = self.tiers.replicas()
         if not held or not replicas:
             return []
-        free = {r: self.tiers.free(Placement(Tier.GPU, r)) for r in replicas}
+        free = {
+            r: self.tiers.free(Placement(Tier.GPU, r)) - self.promotion_reserve(r) for r in replicas
+        }
         if not displace:  # fast path (every event): only candidates that fit are ranked
             widest, cpu = max(free.values()), Tier.CPU
             held = [
