@@ -2,7 +2,7 @@
 and a closed-loop replay of the committed agent corpus, once per policy (MORI and the
 ThunderAgent+offload baseline by default), then the results side by side with MORI's ratios.
 
-The replicas are `mori emulate` with small KV budgets, so a dozen agent programs do not fit
+The replicas are `mori emulate` with small KV budgets, so two dozen agent programs do not fit
 on the GPU tier and the policy's tiering decisions show in the numbers. Everything runs
 `--time-scale` times faster than real time (engine clock, tool sleeps and the router's
 timers alike), so a minute of wall time replays several minutes of agent work.
@@ -44,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration", type=float, default=45.0, help="wall seconds to replay, per policy"
     )
-    parser.add_argument("--concurrency", type=int, default=12, help="closed-loop agent programs")
+    parser.add_argument("--concurrency", type=int, default=24, help="closed-loop agent programs")
     parser.add_argument(
         "--policies",
         "--policy",
