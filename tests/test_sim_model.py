@@ -125,19 +125,33 @@ def test_typed_eviction_order_on_device_and_host():
 
 
 @pytest.mark.parametrize("mode", [TYPED, LRU])
-def test_host_evicts_busy_copies_before_idle_only_when_typed(mode):
+def test_host_keeps_backups_of_tokens_still_on_device(mode):
+    """HiRadixCache.evict_host skips nodes still on device: with every host token backing a
+    device copy, a new write-through is refused (partly) instead of evicting one."""
     engine = ReplicaEngine(PRESET, mode, 100_000, 41_000)
-    t = _fill(engine, ["idle"])
-    engine.apply_hints({"idle": Hint.IDLE}, t)
-    t = _fill(engine, ["busy"]) + t
-    engine.apply_hints({"busy": Hint.BUSY}, t)
-    run_step(engine, "x", "third", 20_000, t + 1.0)  # its write-through needs host room
-    if mode is TYPED:  # the busy copy is redundant (it is on device): it goes first
-        assert engine.residency("idle") == (0, 20_010)
-        assert engine.residency("busy")[1] < 20_010
-    else:  # LRU drops the older idle program's only copy
-        assert engine.residency("idle")[1] < 20_010
-        assert engine.residency("busy")[1] == 20_010
+    _fill(engine, ["a", "b"])  # both on device and on host: 40_020 of 41_000 host tokens
+    run_step(engine, "x", "third", 20_000, 10.0)
+    assert engine.residency("a") == engine.residency("b") == (20_010, 20_010)
+    assert engine.residency("third") == (20_010, 41_000 - 40_020)  # backup refused past that
+
+
+def test_idle_keeps_a_device_copy_whose_backup_was_refused():
+    engine = ReplicaEngine(PRESET, TYPED, 100_000, 41_000)
+    _fill(engine, ["a", "b"])
+    run_step(engine, "x", "third", 20_000, 10.0)  # backed up 980 of 20_010 tokens
+    engine.apply_hints({"third": Hint.IDLE}, 20.0)
+    assert engine.residency("third") == (20_010, 980)  # offloading would lose 19_030 tokens
+
+
+@pytest.mark.parametrize("mode", [TYPED, LRU])
+def test_host_copy_becomes_evictable_once_device_copy_is_gone(mode):
+    engine = ReplicaEngine(PRESET, mode, 50_000, 45_000)
+    t = _fill(engine, ["old", "new"])
+    run_step(engine, "x", "third", 20_000, t + 1.0)  # device evicts 10_030 of "old" (LRU)
+    # ...whose host copy of those tokens is now host-only: the third program's backup takes it
+    assert engine.residency("old") == (9_980, 9_980)
+    assert engine.residency("new") == (20_010, 20_010)
+    assert engine.residency("third") == (20_010, 45_000 - 20_010 - 9_980)
 
 
 def test_lru_ignores_hints_but_reports_residency():

@@ -23,14 +23,18 @@ is the prefix of its next prompt. Its KV is a prefix on device (`dev` tokens) an
 on host DRAM (`host` tokens, HiCache write-through: every finished request's context is
 backed up to host). A request hits `min(dev, prompt)` on device, then host tokens beyond
 that (loaded over PCIe), and recomputes the rest (prefill). Eviction takes tokens off the
-end of a program's prefix, like leaf-first radix eviction:
+end of a program's prefix, like leaf-first radix eviction. As in HiRadixCache, the host only
+evicts host-only tokens (`host - dev`: their device copy is gone); a backup of tokens still
+on device is kept, so a full host refuses (the rest of) a write-through, and device tokens
+without a backup are dropped when evicted (backup is retried when the program's next
+request leaves the batch, as SGLang retries it on the next insert through the node):
 
 - `lru` (stock SGLang): least recently used first on both tiers; hints are ignored.
 - `typed` (MORI patch): device evicts inactive, then idle, then busy; host evicts inactive,
   then busy, then idle; LRU within a type. Hints act at once: `idle` drops the device copy
-  (backing it up to host first), `busy` loads host tokens back to device ahead of the next
-  request (costing PCIe time), `inactive` only ranks the program first to go. Busy-typed
-  requests are admitted before others.
+  if it is all backed up (a device-only suffix pins it, as in the patch), `busy` loads host
+  tokens back to device ahead of the next request (costing PCIe time), `inactive` only ranks
+  the program first to go. Busy-typed requests are admitted before others.
 
 Timing: prefill batches stall decode (SGLang runs prefill and decode batches in turn, no
 mixed chunks by default). A prefill batch lasts max(compute of the new tokens, the PCIe
@@ -57,6 +61,15 @@ from router.sim.presets import Preset
 # for programs the router never typed).
 _DEVICE_RANK = {Hint.INACTIVE: 0, Hint.IDLE: 1, Hint.BUSY: 2}
 _HOST_RANK = {Hint.INACTIVE: 0, Hint.BUSY: 1, Hint.IDLE: 2}
+
+
+def _on_device(e: _Entry) -> int:
+    return e.dev
+
+
+def _host_only(e: _Entry) -> int:
+    """Host tokens whose device copy is gone: the only host tokens HiCache may evict."""
+    return max(0, e.host - e.dev)
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,7 +436,7 @@ class ReplicaEngine:
         if need > room:
             self._protected = req.program_id  # write-backs must not evict its host hit
             try:
-                if not self._evict_device(need - room, now, keep=req.program_id):
+                if not self._evict_device(need - room, keep=req.program_id):
                     return False
             finally:
                 self._protected = None
@@ -464,7 +477,7 @@ class ReplicaEngine:
         if self.mode.host_tier:
             self._write_host(req.program_id, e, e.dev, now)
         if e.hint is Hint.IDLE and self.mode.eviction == "typed":
-            self._set_dev(e, 0)  # idle hint arrived while it ran: drop the device copy now
+            self._offload(e)  # idle hint arrived while it ran: act on it now
 
     # cache tiers -----------------------------------------------------------------------------
     def _set_dev(self, e: _Entry, tokens: int) -> None:
@@ -476,7 +489,12 @@ class ReplicaEngine:
         e.host = tokens
 
     def _write_host(self, pid: str, e: _Entry, tokens: int, now: float) -> None:
-        """Back up a device prefix to host (write-through); D2H runs off the critical path."""
+        """Back up a device prefix to host (write-through); D2H runs off the critical path.
+
+        Like HiRadixCache.write_backup: evict host-only copies to make room, and back up only
+        what then fits. The rest stays device-only (dropped if the device evicts it) until the
+        program's next request leaves the batch and tries again.
+        """
         if tokens <= e.host:
             return
         short = tokens - e.host - (self.host_tokens - self._host_used)
@@ -484,28 +502,34 @@ class ReplicaEngine:
             self._evict_host(short, now, keep=pid)
         self._set_host(e, min(tokens, e.host + self.host_tokens - self._host_used))
 
-    def _victims(self, ranks: dict[Hint, int] | None, keep: str, tier: str):
+    def _offload(self, e: _Entry) -> None:
+        """Idle: drop the device copy if it is all backed up. A device-only suffix pins its
+        prefix (HiCache evicts children first, and the patch demotes only backed-up nodes)."""
+        if e.host >= e.dev:
+            self._set_dev(e, 0)
+            e.prefetched = 0
+
+    def _victims(self, ranks: dict[Hint, int], keep: str, evictable):
+        """Unlocked programs with `evictable(entry) > 0` tokens, first to go first."""
         typed = self.mode.eviction == "typed"
         cands = [
             (pid, e)
             for pid, e in self._entries.items()
-            if pid not in (keep, self._protected) and e.running is None and getattr(e, tier) > 0
+            if pid not in (keep, self._protected) and e.running is None and evictable(e) > 0
         ]
         cands.sort(key=lambda c: (ranks[c[1].hint] if typed else 0, c[1].last_use))
         return cands
 
-    def _evict_device(self, tokens: int, now: float, keep: str, max_rank: int = 99) -> bool:
+    def _evict_device(self, tokens: int, keep: str, max_rank: int = 99) -> bool:
         """Free `tokens` device tokens from unlocked programs; False if it cannot."""
-        victims = self._victims(_DEVICE_RANK, keep, "dev")
+        victims = self._victims(_DEVICE_RANK, keep, _on_device)
         if self.mode.eviction == "typed":
             victims = [(p, e) for p, e in victims if _DEVICE_RANK[e.hint] <= max_rank]
         if sum(e.dev for _, e in victims) < tokens:
             return False
-        for pid, e in victims:
+        for _, e in victims:
             take = min(tokens, e.dev)
-            if self.mode.host_tier:
-                self._write_host(pid, e, e.dev, now)  # normally already backed up
-            self._set_dev(e, e.dev - take)
+            self._set_dev(e, e.dev - take)  # tokens beyond e.host had no backup: dropped
             e.prefetched = min(e.prefetched, e.dev)
             tokens -= take
             if tokens <= 0:
@@ -513,8 +537,10 @@ class ReplicaEngine:
         return True
 
     def _evict_host(self, tokens: int, now: float, keep: str) -> None:
-        for pid, e in self._victims(_HOST_RANK, keep, "host"):
-            take = min(tokens, e.host)
+        """Free host tokens from host-only copies (HiRadixCache.evict_host skips nodes still on
+        device): a program's backup of tokens it holds on device is never a victim."""
+        for pid, e in self._victims(_HOST_RANK, keep, _host_only):
+            take = min(tokens, _host_only(e))
             self._set_host(e, e.host - take)
             tokens -= take
             if e.dev == 0 and e.host == 0 and e.running is None:
@@ -532,9 +558,7 @@ class ReplicaEngine:
         if e.running is not None:
             return  # applied when the request leaves the batch (see _release)
         if hint is Hint.IDLE and self.mode.host_tier and e.dev:
-            self._write_host(pid, e, e.dev, now)
-            self._set_dev(e, 0)
-            e.prefetched = 0
+            self._offload(e)
         elif hint is Hint.BUSY and self.mode.host_tier and e.host > e.dev:
             self._load_back(pid, e, now)
 
@@ -543,7 +567,7 @@ class ReplicaEngine:
         tokens = e.host - e.dev
         free = self.gpu_tokens - self._dev_used
         if tokens > free and not self._evict_device(
-            tokens - free, now, keep=pid, max_rank=_DEVICE_RANK[Hint.IDLE]
+            tokens - free, keep=pid, max_rank=_DEVICE_RANK[Hint.IDLE]
         ):
             return
         self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(tokens)
