@@ -32,14 +32,22 @@ def test_device_evicts_inactive_then_idle_then_busy_lru_within():
     assert evict_order(CacheTier.DEVICE, nodes) == ["inact", "idle_old", "idle_new", "busy_old"]
 
 
-def test_host_evicts_inactive_then_busy_then_idle():
-    nodes = {"busy": ([B], 1.0), "idle": ([D], 0.5), "inact": ([X], 9.0)}
-    assert evict_order(CacheTier.HOST, nodes) == ["inact", "busy", "idle"]
+def test_host_evicts_inactive_then_idle_then_busy_lru_within():
+    # a host victim is a host-only node, its program's only copy: a busy program's is kept
+    # longest (its busy hint is loading it back), unlike the paper's inactive-busy-idle
+    nodes = {
+        "busy": ([B], 0.5),
+        "idle_new": ([D], 7.0),
+        "idle_old": ([D], 1.0),
+        "inact": ([X], 9.0),
+    }
+    assert evict_order(CacheTier.HOST, nodes) == ["inact", "idle_old", "idle_new", "busy"]
 
 
 def test_shared_node_takes_most_protective_type_per_tier():
     assert keep_rank(CacheTier.DEVICE, [X, D, B]) == keep_rank(CacheTier.DEVICE, [B])
-    assert keep_rank(CacheTier.HOST, [B, D]) == keep_rank(CacheTier.HOST, [D])
+    assert keep_rank(CacheTier.HOST, [D, X]) == keep_rank(CacheTier.HOST, [D])
+    assert keep_rank(CacheTier.HOST, [D, B]) == keep_rank(CacheTier.HOST, [B])
     assert keep_rank(CacheTier.DEVICE, [X, D]) > keep_rank(CacheTier.DEVICE, [X])
 
 

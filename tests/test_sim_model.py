@@ -154,6 +154,18 @@ def test_host_copy_becomes_evictable_once_device_copy_is_gone(mode):
     assert engine.residency("third") == (20_010, 45_000 - 20_010 - 9_980)
 
 
+def test_host_evicts_idle_only_copies_before_busy_ones_when_typed():
+    """Both tiers rank inactive, idle, busy: a host victim is always a program's only copy,
+    and a busy program's is the one it needs next (not the paper's host order)."""
+    engine = ReplicaEngine(PRESET, TYPED, 50_000, 60_000)
+    t = _fill(engine, ["busy", "idle"])  # busy is the least recent one
+    engine.apply_hints({"busy": Hint.BUSY, "idle": Hint.IDLE}, t)  # idle: host-only copy
+    run_step(engine, "x", "third", 35_000, t + 1.0)  # device evicts 5_020 of busy's tokens
+    # third's write-through needs 15_030 host tokens: host-only ones, idle's go first
+    assert engine.residency("busy") == (14_990, 20_010)
+    assert engine.residency("idle") == (0, 20_010 - 15_030)
+
+
 def test_lru_ignores_hints_but_reports_residency():
     engine = ReplicaEngine(PRESET, LRU, 100_000, 100_000)
     _fill(engine, ["p"])

@@ -30,11 +30,11 @@ without a backup are dropped when evicted (backup is retried when the program's 
 request leaves the batch, as SGLang retries it on the next insert through the node):
 
 - `lru` (stock SGLang): least recently used first on both tiers; hints are ignored.
-- `typed` (MORI patch): device evicts inactive, then idle, then busy; host evicts inactive,
-  then busy, then idle; LRU within a type. Hints act at once: `idle` drops the device copy
-  if it is all backed up (a device-only suffix pins it, as in the patch), `busy` loads host
-  tokens back to device ahead of the next request (costing PCIe time), `inactive` only ranks
-  the program first to go. Busy-typed requests are admitted before others.
+- `typed` (MORI patch): both tiers evict inactive, then idle, then busy; LRU within a type.
+  Hints act at once: `idle` drops the device copy if it is all backed up (a device-only
+  suffix pins it, as in the patch), `busy` loads host tokens back to device ahead of the next
+  request (costing PCIe time), `inactive` only ranks the program first to go. Busy-typed
+  requests are admitted before others.
 
 Timing: prefill batches stall decode (SGLang runs prefill and decode batches in turn, no
 mixed chunks by default). A prefill batch lasts max(compute of the new tokens, the PCIe
@@ -58,9 +58,11 @@ from router.policy.types import EngineMode, Hint
 from router.sim.presets import Preset
 
 # Eviction rank per hint: lower goes first. Unhinted programs rank as busy (stock behaviour
-# for programs the router never typed).
+# for programs the router never typed). The host uses the device order, not the paper's
+# inactive-busy-idle: host victims are host-only tokens, a program's only copy, and a busy
+# program's are the ones its busy hint is loading back (docs/policy.md, "Typed eviction").
 _DEVICE_RANK = {Hint.INACTIVE: 0, Hint.IDLE: 1, Hint.BUSY: 2}
-_HOST_RANK = {Hint.INACTIVE: 0, Hint.BUSY: 1, Hint.IDLE: 2}
+_HOST_RANK = _DEVICE_RANK
 
 
 def _on_device(e: _Entry) -> int:
