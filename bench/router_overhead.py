@@ -16,6 +16,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -62,11 +63,19 @@ class StubEngine(asyncio.Protocol):
             self.buffer = rest[length:]
             self._answer(head.split(b" ", 2)[1])
 
+    delay_s = 0.0  # mean engine time per inference answer (--engine-delay-ms)
+
     def _answer(self, path: bytes) -> None:
         if path.startswith(b"/v1/"):
             body, ctype = b"%x\r\n%s\r\n0\r\n\r\n" % (len(STUB_SSE), STUB_SSE), b"text/event-stream"
             head = b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n"
-            self.transport.write(head % ctype + body)  # type: ignore[attr-defined]
+            answer = head % ctype + body
+            if self.delay_s:
+                # uniform +-50%: equal delays would march 200 streams in lock-step bursts
+                delay = self.delay_s * random.uniform(0.5, 1.5)
+                asyncio.get_running_loop().call_later(delay, self.transport.write, answer)
+            else:
+                self.transport.write(answer)  # type: ignore[attr-defined]
             return
         body = b'{"max_total_num_tokens": 10000000, "hicache_host_tokens": 20000000}'
         if path.startswith(b"/mori/hints"):
@@ -75,7 +84,9 @@ class StubEngine(asyncio.Protocol):
         self.transport.write(head % len(body) + body)  # type: ignore[attr-defined]
 
 
-def run_stub(port: int) -> None:
+def run_stub(port: int, delay_ms: float) -> None:
+    StubEngine.delay_s = delay_ms / 1000
+
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(StubEngine, "127.0.0.1", port, backlog=4096)
@@ -176,6 +187,14 @@ def main() -> int:
         help="stub: near-zero-cost engine (isolates the router); emulator: `mori emulate`",
     )
     parser.add_argument("--policy", default="mori")
+    parser.add_argument(
+        "--engine-delay-ms",
+        type=float,
+        default=0.0,
+        help="stub engine time per answer (mean; uniform +-50%%): with 200 streams at 250 ms "
+        "the offered load (~800 req/s) stays under the router's capacity, so 'added' is "
+        "overhead, not saturation queueing",
+    )
     args = parser.parse_args()
 
     console = Console(width=140)
@@ -183,7 +202,7 @@ def main() -> int:
     emu = f"http://127.0.0.1:{emu_port}"
     env = {"MORI_LOG_LEVEL": "warning", "MORI_TICK_S": "5"}
     if args.engine == "stub":
-        engine = [sys.executable, __file__, "--stub-port", str(emu_port)]
+        engine = [sys.executable, __file__, "--stub-port", str(emu_port), str(args.engine_delay_ms)]
     else:
         engine = mori("emulate", "--port", str(emu_port), "--time-scale", args.time_scale)
     with (
@@ -208,7 +227,10 @@ def main() -> int:
             )
             rows.append((label, direct, routed))
 
-    title = f"router overhead vs {args.engine} ({os.cpu_count()} cores, {platform.machine()})"
+    engine_name = args.engine
+    if args.engine_delay_ms:
+        engine_name += f", {args.engine_delay_ms:g} ms per answer"
+    title = f"router overhead vs {engine_name} ({os.cpu_count()} cores, {platform.machine()})"
     table = Table(title=title)
     columns = ("load", "path", "req/s", "p50 ms", "p99 ms", "TTFT p50 ms", "router CPU ms/req")
     for col in (*columns, "errors"):
@@ -245,5 +267,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--stub-port"]:
-        run_stub(int(sys.argv[2]))
+        run_stub(int(sys.argv[2]), float(sys.argv[3]))
     sys.exit(main())
