@@ -49,11 +49,10 @@ def small_preset(gpu_tokens: int) -> str:
 
 
 def live_cell(args: argparse.Namespace, policy: str, corpus, token_scale: float) -> RunResult:
-    cfg = argparse.Namespace(**{**vars(args), "policy": policy})
     with tempfile.TemporaryDirectory(prefix="mori-bench-") as logs:
         stack = Stack(Path(logs), Console(stderr=True))
         try:
-            router = start_stack(cfg, stack)
+            router = start_stack(args, policy, stack)
             config = ReplayConfig(
                 endpoint=router,
                 concurrency=args.concurrency,
