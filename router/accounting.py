@@ -48,14 +48,21 @@ def openai_usage(doc: dict[str, Any], usage: Usage) -> None:
         usage.completion_tokens = _int(u.get("completion_tokens"))
 
 
-def openai_body(content: bytes) -> Usage:
-    """Usage and tool call of a non-streamed chat/completions answer."""
-    usage = Usage()
+def _json_object(content: bytes) -> dict | None:
+    """The answer body as a JSON object, or None: a garbled engine answer is relayed as is,
+    it just carries no usage."""
     try:
         doc = json.loads(content)
     except ValueError:
-        return usage
-    if not isinstance(doc, dict):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def openai_body(content: bytes) -> Usage:
+    """Usage and tool call of a non-streamed chat/completions answer."""
+    usage = Usage()
+    doc = _json_object(content)
+    if doc is None:
         return usage
     openai_usage(doc, usage)
     for choice in doc.get("choices") or []:
@@ -147,11 +154,8 @@ def anthropic_usage(u: Any, usage: Usage) -> None:
 
 def anthropic_body(content: bytes) -> Usage:
     usage = Usage()
-    try:
-        doc = json.loads(content)
-    except ValueError:
-        return usage
-    if not isinstance(doc, dict):
+    doc = _json_object(content)
+    if doc is None:
         return usage
     anthropic_usage(doc.get("usage"), usage)
     blocks = doc.get("content") if isinstance(doc.get("content"), list) else []
