@@ -69,8 +69,8 @@ class Exchange(Response):
         self.background = None
         self.router = router
         self.call = call
-        self.rid = call.body.get("rid") if isinstance(call.body.get("rid"), str) else None
-        self.rid = self.rid or uuid.uuid4().hex
+        rid = call.body.get("rid")
+        self.rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
         self.started = False  # response headers went to the client
         self.outcome = "ok"
         self.replica: Replica | None = None
@@ -136,7 +136,7 @@ class Exchange(Response):
             except ValueError as e:  # a second request in flight despite the turn lock
                 raise ApiError(409, str(e), code="program_busy") from None
             r.apply(moves)
-            replica = self.router.replicas[await self._gated(deadline)]
+            replica = r.replicas[await self._gated(deadline)]
             self.replica = replica
             usage = Usage()
             try:
@@ -198,8 +198,7 @@ class Exchange(Response):
             return usage
         finally:
             if not complete:
-                r = self.router
-                r.spawn(replica.abort(self.rid))
+                self.router.spawn(replica.abort(self.rid))
             await upstream.aclose()
 
     async def _relay_body(self, upstream: httpx.Response, replica: Replica, send: Send) -> Usage:
@@ -212,7 +211,7 @@ class Exchange(Response):
         self.router.metrics.ttft.labels(replica.url).observe(now - self.call.arrival)
         ctype = upstream.headers.get("content-type", "application/json").encode()
         await self._send(send, upstream.status_code, [(b"content-type", ctype)], content)
-        self._account(replica, usage, content)
+        self._account(replica, usage)
         return usage
 
     async def _relay_stream(self, upstream: httpx.Response, replica: Replica, send: Send) -> Usage:
@@ -244,7 +243,7 @@ class Exchange(Response):
             await self._start(send, 200, SSE_HEADERS)
         await self._body(send, tail, more=False)
         usage = parser.finish()
-        self._account(replica, usage, None)
+        self._account(replica, usage)
         return usage
 
     async def _relay_error(self, upstream: httpx.Response, send: Send) -> None:
@@ -261,7 +260,7 @@ class Exchange(Response):
         self.outcome = "error"
         await self._send(send, status, [(b"content-type", b"application/json")], content)
 
-    def _account(self, replica: Replica, usage: Usage, content: bytes | None) -> None:
+    def _account(self, replica: Replica, usage: Usage) -> None:
         r, pid = self.router, self.call.program_id
         if usage.prompt_tokens is not None:
             r.metrics.prompt_tokens.labels(replica.url).inc(usage.prompt_tokens)
