@@ -2,14 +2,15 @@
 
 Two waits, both bounded by one deadline: a program's requests take turns (the policy
 allows one in flight per program), then the turn-holder waits for `route()` to name a
-replica. Moves wake exactly the programs they touch through one `asyncio.Event` each.
+replica. Each waiter sleeps on its own `asyncio.Event`; after every batch of moves the
+router sets them all (`wake_all`) and each re-asks `route()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 
 class GateTimeout(Exception):
@@ -51,7 +52,7 @@ class Gate:
     async def until_routed(
         self, program_id: str, route: Callable[[], str | None], deadline: float
     ) -> str:
-        """Wait until `route()` names a replica; woken by `wake(program_id)`."""
+        """Wait until `route()` names a replica; re-checked on every `wake_all`."""
         replica = route()
         if replica is not None:
             return replica
@@ -66,14 +67,8 @@ class Gate:
             self.waiting -= 1
             self._events.pop(program_id, None)
 
-    def wake(self, program_ids: Iterable[str]) -> None:
-        """Re-check the named programs (called after every batch of moves)."""
-        for pid in program_ids:
-            event = self._events.get(pid)
-            if event is not None:
-                event.set()
-
     def wake_all(self) -> None:
+        """Let every held request re-check `route()` (called after every batch of moves)."""
         for event in self._events.values():
             event.set()
 
