@@ -158,14 +158,11 @@ class Exchange(Response):
         """Wait for the program's replica; on any exit but success the request is cancelled."""
         r, pid = self.router, self.call.program_id
         held_from = r.clock()
-        r.metrics.gate_waiting.inc()
         try:
             url = await r.gate.until_routed(pid, lambda: r.policy.route(pid), deadline)
         except BaseException:
             r.apply(r.policy.cancel(pid, r.clock()))
             raise
-        finally:
-            r.metrics.gate_waiting.dec()
         r.metrics.gate_wait.observe(r.clock() - held_from)
         return url
 
