@@ -39,8 +39,6 @@ class Replica:
     health_timeout_s: float
     failures: int = 0  # consecutive failed health checks
     hints_supported: bool = True
-    capacity: ReplicaCapacity | None = None
-    last_residency: dict[str, Any] = field(default_factory=dict)
     _turn: int = 0
     _urls: dict[str, httpx.URL] = field(default_factory=dict)  # parsed once per path
 
@@ -91,8 +89,7 @@ class Replica:
                     raise ValueError(f"{self.url}/get_server_info has no max_total_num_tokens")
             if cpu is None:
                 cpu = _host_tokens(info, gpu, host_ratio)
-        self.capacity = ReplicaCapacity(gpu_tokens=int(gpu), cpu_tokens=int(cpu))
-        return self.capacity
+        return ReplicaCapacity(gpu_tokens=int(gpu), cpu_tokens=int(cpu))
 
     async def healthy(self) -> bool:
         try:
@@ -102,7 +99,7 @@ class Replica:
         return r.status_code == 200
 
     # hints -----------------------------------------------------------------------
-    async def push_hints(self, epoch: int, hints: dict[str, Hint], full: bool) -> dict[str, Any]:
+    async def push_hints(self, epoch: int, hints: dict[str, Hint], full: bool) -> None:
         """POST one hint batch; raises HintsUnsupported on 404/405, httpx errors otherwise."""
         payload = {"epoch": epoch, "full": full, "hints": {p: h.value for p, h in hints.items()}}
         r = await self.client.post(
@@ -111,9 +108,6 @@ class Replica:
         if r.status_code in (404, 405):
             raise HintsUnsupported(self.url)
         r.raise_for_status()
-        answer = r.json()
-        self.last_residency = answer.get("residency") or {}
-        return answer
 
 
 def _int_field(info: dict[str, Any], name: str) -> int | None:
