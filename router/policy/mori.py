@@ -219,11 +219,8 @@ class MoriPolicy(Policy):
         returning.sort(key=idleness)
         new.sort(key=lambda p: (p.context_tokens, idleness(p)))
         for p in on_cpu:
-            r = p.placement.replica
-            if p.context_tokens <= free[r]:
-                free[r] -= p.context_tokens
-                moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
-            elif displace:
+            if not self._place_cpu(p, free, now, moves) and displace:
+                r = p.placement.replica
                 swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_CPU, now)
                 swaps += bool(swap)
                 moves += swap
@@ -263,13 +260,8 @@ class MoriPolicy(Policy):
             on_cpu = p.placement.tier is Tier.CPU
             if on_cpu and p.placement.replica not in free:
                 continue
-            if on_cpu and p.context_tokens <= free[p.placement.replica]:
-                r = p.placement.replica
-                free[r] -= p.context_tokens
-                moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
-            elif not on_cpu and self._place_waiting(p, free, now, moves):
-                pass
-            elif displace:
+            place = self._place_cpu if on_cpu else self._place_waiting
+            if not place(p, free, now, moves) and displace:
                 reason = MoveReason.PROMOTE_CPU if on_cpu else MoveReason.PROMOTE_WAITING
                 if not on_cpu and p.steps == 0:
                     reason = MoveReason.PROMOTE_NEW
@@ -307,6 +299,15 @@ class MoriPolicy(Policy):
             if p.program_id not in placed and not self._place_waiting(p, free, now, moves):
                 left.append(p)
         return left
+
+    def _place_cpu(self, p: Program, free: dict[str, int], now: float, moves: list[Move]) -> bool:
+        """Back onto its own replica's GPU tier if it fits there (the KV is in its host tier)."""
+        r = p.placement.replica
+        if p.context_tokens > free[r]:
+            return False
+        free[r] -= p.context_tokens
+        moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
+        return True
 
     def _place_waiting(
         self, p: Program, free: dict[str, int], now: float, moves: list[Move]
