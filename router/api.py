@@ -179,7 +179,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        router.metrics.refresh_tiers(router.policy, router.clock())
+        router.metrics.refresh_tiers(router.policy)
         router.metrics.gate_waiting.set(router.gate.waiting)
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 

@@ -83,7 +83,7 @@ class Router:
                 self.apply(self.policy.set_healthy(replica.url, False, now))
             else:
                 self.policy.add_replica(replica.url, result)
-        self.metrics.refresh_tiers(self.policy, now)
+        self.metrics.refresh_tiers(self.policy)
         loops = [self._tick_loop, self._capacity_loop, self._health_loop]
         if self.policy.sends_hints:
             loops.append(self._hint_loop)
@@ -213,7 +213,8 @@ class Router:
             live = self.policy.programs
             self._chars_per_token = {p: r for p, r in self._chars_per_token.items() if p in live}
         self.metrics.tick_seconds.observe(time.perf_counter() - started)
-        self.metrics.refresh_tiers(self.policy, now)
+        self.metrics.refresh_tiers(self.policy)
+        self.metrics.observe_idleness(self.policy, now)
         self.metrics.gate_waiting.set(self.gate.waiting)
 
     async def _capacity_loop(self) -> None:

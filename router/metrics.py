@@ -115,8 +115,9 @@ class RouterMetrics:
         for m in moves:
             self.moves.labels(m.src.tier.value, m.dst.tier.value, m.reason.value).inc()
 
-    def refresh_tiers(self, policy: Policy, now: float) -> None:
-        """Set the per-tier gauges from the policy's bookkeeping (called on every tick)."""
+    def refresh_tiers(self, policy: Policy) -> None:
+        """Set the per-tier gauges from the policy's bookkeeping (each tick and each scrape:
+        gauges are idempotent, so scraping more often changes nothing)."""
         tiers = policy.tiers
         for replica in tiers.capacity:
             for tier in (Tier.GPU, Tier.CPU):
@@ -130,6 +131,10 @@ class RouterMetrics:
         self.tier_tokens.labels("-", Tier.WAITING.value).set(
             sum(p.context_tokens for p in tiers.members(waiting))
         )
+
+    def observe_idleness(self, policy: Policy, now: float) -> None:
+        """One idleness sample per live program per tick: only the tick calls this, so the
+        histogram's counts do not depend on how often Prometheus scrapes."""
         for p in policy.programs.values():
             self.idleness.observe(p.idleness(now))
 
