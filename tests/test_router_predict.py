@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
 from router.api import create_app
 from router.config import load_config
-from router.controller import Router, policy_config
+from router.controller import Router
 from router.policy import PolicyConfig
 from router.policy.predictive import PredictivePolicy
 from router.policy.types import ReplicaCapacity
@@ -32,13 +32,13 @@ from tests.router_harness import (
 
 def test_load_time_per_token_comes_from_the_config_as_in_the_simulator():
     preset = PRESETS["h100-8b"]
-    default = policy_config(load_config(None, {"replicas": ["http://r:1"]}, env={}))
+    default = load_config(None, {"replicas": ["http://r:1"]}, env={}).policy_config()
     assert default.load_s_per_token == pytest.approx(
         preset.kv_bytes_per_token / preset.pcie_bytes_s
     )
     moe = PRESETS["b200-70b-tp2"]
     env = {"MORI_KV_BYTES_PER_TOKEN": str(moe.kv_bytes_per_token), "MORI_PCIE_GBPS": "100"}
-    tuned = policy_config(load_config(None, {"replicas": ["http://r:1"]}, env=env))
+    tuned = load_config(None, {"replicas": ["http://r:1"]}, env=env).policy_config()
     assert tuned.load_s_per_token == pytest.approx(moe.kv_bytes_per_token / moe.pcie_bytes_s)
 
 

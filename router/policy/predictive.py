@@ -31,33 +31,16 @@ checks, so MORI's own rebalance keeps its `tick_s` cadence.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from router.policy.base import PolicyConfig
-from router.policy.mori import Idleness, MoriPolicy
-from router.policy.predictor import DurationPredictor
+from router.policy.mori import MoriPolicy, ToolCall
+from router.policy.mori_paper import Idleness
 from router.policy.program import Program
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
 _EPS = 1e-9
 DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
-
-
-@dataclass(slots=True)
-class ToolCall:
-    """The tool call a program is in: what it is and when it is expected to end."""
-
-    tool: str
-    agent: str | None
-    start_s: float
-    predicted_s: float
-    ended_s: float | None = None  # the client said it finished (on_tool_end)
-    promote_tried: bool = False  # predictive promotion done (one per call)
-
-    @property
-    def predicted_end_s(self) -> float:
-        return self.start_s + self.predicted_s
 
 
 class PredictivePolicy(MoriPolicy):
@@ -67,8 +50,6 @@ class PredictivePolicy(MoriPolicy):
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
-        self.predictor = DurationPredictor(self.config.ewma_alpha, self.config.hint_alpha)
-        self.calls: dict[str, ToolCall] = {}
         self.protected_until: dict[str, float] = {}  # predicted-promoted: safe from demotion
         self._next_rebalance_s = float("-inf")
         self.step_s = DEFAULT_STEP_S  # EWMA of observed reasoning (engine) time per step
@@ -150,12 +131,10 @@ class PredictivePolicy(MoriPolicy):
         p = self.programs.get(program_id)
         if p is None or p.status is not Status.ACTING:
             return []
-        predicted = self.predictor.predict(agent, tool, predict_s)
-        self.calls[program_id] = ToolCall(tool, agent, now, predicted)
         self.protected_until.pop(program_id, None)
         if p.placement.tier is not Tier.GPU or p.demote_after_step is not None:
             return []
-        benefit, cost = self.offload_benefit(p, predicted)
+        benefit, cost = self.offload_benefit(p, self.calls[program_id].predicted_s)
         cpu = Placement(Tier.CPU, p.placement.replica)
         if benefit <= cost or not self.tiers.fits(cpu, p.context_tokens):
             return []
@@ -168,8 +147,7 @@ class PredictivePolicy(MoriPolicy):
         p = self.programs.get(program_id)
         if call is None or p is None or call.ended_s is not None:
             return []
-        self._observe(call, now)
-        call.ended_s = now
+        self.observe_call(program_id, now)
         cpu_moves = []
         gpu = Placement(Tier.GPU, p.placement.replica)
         if p.placement.tier is Tier.CPU and self._room_for(p, gpu):
@@ -189,9 +167,7 @@ class PredictivePolicy(MoriPolicy):
     def on_request(
         self, program_id: str, now: float, context_tokens: int | None = None
     ) -> list[Move]:
-        call = self.calls.pop(program_id, None)
-        if call is not None and call.ended_s is None:
-            self._observe(call, now)
+        call = self.calls.get(program_id)
         p = self.programs.get(program_id)
         if call is not None and p is not None:
             self._count_return(call, p)
@@ -199,7 +175,6 @@ class PredictivePolicy(MoriPolicy):
         return super().on_request(program_id, now, context_tokens)
 
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
-        self.calls.pop(program_id, None)
         self.protected_until.pop(program_id, None)
         moves = super().end(program_id, now, reason)
         return moves + self._predictive_promotions(now) if moves else moves
@@ -293,6 +268,3 @@ class PredictivePolicy(MoriPolicy):
             self.outcomes["back_while_on_cpu"] += 1
         elif call.promote_tried:
             self.outcomes["back_after_predicted_promotion"] += 1
-
-    def _observe(self, call: ToolCall, now: float) -> None:
-        self.predictor.observe(call.agent, call.tool, now - call.start_s, call.predicted_s)
