@@ -44,7 +44,7 @@ CORPORA = {  # name -> (trace, token scale)
     "claude-x0.25": ("traces/claude-code-sample.jsonl", 0.25),
     "claude-x0.5": ("traces/claude-code-sample.jsonl", 0.5),
 }
-POLICIES = ["mori", "mori-paper", "mori+predict", "continuum", "ta+o", "ta", "smg"]
+POLICIES = ["mori", "mori-priced", "mori-paper", "continuum", "ta+o", "ta", "smg"]
 BASELINES = ("smg", "ta", "ta+o", "continuum")
 TARGET_TPUT = 0.98  # mori >= 0.98x the best baseline's output tok/s
 TARGET_P99 = 2.0  # mori's TTFT p99 <= 2x smg's
@@ -189,20 +189,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=POLICIES)
     parser.add_argument("--duration", type=float, default=3600.0)
     parser.add_argument("--set", dest="settings", nargs="*", default=[], metavar="KNOB=VALUE",
-                        help="policy knobs for mori (e.g. aging_s=120)")  # fmt: skip
+                        help="knobs of the mori policies (e.g. aging_s=120)")  # fmt: skip
     parser.add_argument("--sweep", metavar="KNOB=V1,V2", help="mori variants, one per value")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, help="write every run's metrics as JSON")
     parser.add_argument("--write", type=Path, help="append the tables as Markdown")
     args = parser.parse_args(argv)
     settings = tuple((k, _value(v)) for k, _, v in (s.partition("=") for s in args.settings))
+
+    def family(policy: str) -> tuple[tuple[str, object], ...]:
+        return settings if policy.startswith("mori") else ()  # --set is for MORI's knobs
+
     variants = [settings]
     if args.sweep:
         knob, _, values = args.sweep.partition("=")
         SWEPT.add(knob)
         variants = [(*settings, (knob, _value(v))) for v in values.split(",")]
     runs = [
-        Run(c, n, r, s, p, args.duration, variant if p == "mori" else ())
+        Run(c, n, r, s, p, args.duration, variant if p == "mori" else family(p))
         for c in args.corpora
         for n in args.programs
         for r in args.cpu_ratio

@@ -1,4 +1,4 @@
-"""`mori` (the default): priced, work-conserving displacement, aging, host room, pricing.
+"""`mori-priced` (the default's base): priced, work-conserving displacement, aging, host room.
 
 The paper's rules it keeps are tested in test_policy_mori.py (against `mori-paper`).
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from router.policy import PolicyConfig, make_policy
-from router.policy.mori import MoriPolicy
 from router.policy.predictor import MIN_DIST_SAMPLES
+from router.policy.priced import PricedPolicy
 from router.policy.types import MoveReason, Placement, ReplicaCapacity, Status, Tier
 
 GPU0, CPU0 = Placement(Tier.GPU, "r0"), Placement(Tier.CPU, "r0")
@@ -17,16 +17,16 @@ GPU1 = Placement(Tier.GPU, "r1")
 WAIT = Placement(Tier.WAITING)
 
 
-def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> MoriPolicy:
+def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> PricedPolicy:
     cfg = {"load_s_per_token": 1e-4, "prefill_s_per_token": 1e-3, "aging_s": 0.0} | cfg
-    policy = make_policy("mori", PolicyConfig(**cfg))
-    assert isinstance(policy, MoriPolicy)
+    policy = make_policy("mori-priced", PolicyConfig(**cfg))
+    assert isinstance(policy, PricedPolicy)
     for i in range(replicas):
         policy.add_replica(f"r{i}", ReplicaCapacity(gpu, cpu))
     return policy
 
 
-def acting(policy: MoriPolicy, pid: str, start: float, tokens: int, tool: str | None = None):
+def acting(policy: PricedPolicy, pid: str, start: float, tokens: int, tool: str | None = None):
     """A program admitted at `start`, answered 1 s later, now in `tool` (unknown if None)."""
     policy.on_request(pid, start, tokens)
     assert policy.route(pid) is not None, f"{pid} was not admitted at {start}"
@@ -35,12 +35,12 @@ def acting(policy: MoriPolicy, pid: str, start: float, tokens: int, tool: str | 
         policy.on_tool_start(pid, start + 1.0, tool)
 
 
-def teach(policy: MoriPolicy, tool: str, duration_s: float) -> None:
+def teach(policy: PricedPolicy, tool: str, duration_s: float) -> None:
     for _ in range(MIN_DIST_SAMPLES):
         policy.predictor.observe(None, tool, duration_s)
 
 
-def where(policy: MoriPolicy, pid: str) -> Placement:
+def where(policy: PricedPolicy, pid: str) -> Placement:
     return policy.programs[pid].placement
 
 

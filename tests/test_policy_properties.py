@@ -160,5 +160,5 @@ def play(policy: Policy, events) -> None:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=scenario)
 def test_invariants_hold_over_random_events(name: str, events) -> None:
-    # tick_s=0: every driver tick is a full rebalance (mori+predict skips it between periods)
+    # tick_s=0: every driver tick is a full rebalance (mori skips it between periods)
     play(make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0)), events)

@@ -12,8 +12,8 @@ from router.policy.base import Policy, PolicyConfig
 
 REGISTRY: dict[str, str] = {
     "mori": "router.policy.mori:MoriPolicy",
+    "mori-priced": "router.policy.priced:PricedPolicy",
     "mori-paper": "router.policy.mori_paper:MoriPaperPolicy",
-    "mori+predict": "router.policy.predictive:PredictivePolicy",
     "continuum": "router.policy.continuum:ContinuumPolicy",
     "ta": "router.policy.baselines:ThunderAgentPolicy",
     "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",

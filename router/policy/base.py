@@ -50,10 +50,10 @@ class PolicyConfig:
     new_program_tokens: int = 2048  # context estimate before the first usage report
     smg_offload: bool = False  # smg baseline: engine host tier on/off
     load_s_per_token: float = 5e-6  # one-way GPU<->host KV copy per token (replica preset)
-    predict_lead_s: float = 0.5  # mori+predict: promote this long + load time before tool end
-    predict_grace_s: float = 5.0  # mori+predict: room held past a predicted end before demotion
-    ewma_alpha: float = 0.3  # mori+predict: weight of the newest tool duration
-    hint_alpha: float = 0.5  # mori+predict: weight of a client's predict_time (Tokencake eq. 1)
+    predict_lead_s: float = 0.5  # mori: promote this long + load time before tool end
+    predict_grace_s: float = 5.0  # mori: room held past a predicted end before demotion
+    ewma_alpha: float = 0.3  # mori: weight of the newest tool duration
+    hint_alpha: float = 0.5  # mori: weight of a client's predict_time (Tokencake eq. 1)
     # a request held this long goes first and may displace; 0: off; None: the policy's
     # default (mori: on, see docs/policy.md "Aging"; mori-paper: off)
     aging_s: float | None = None

@@ -1,71 +1,133 @@
-"""MORI, work-conserving: the default policy (`mori`; the paper's algorithm is `mori-paper`).
+"""`mori`, the default policy: MORI's tiers, made work-conserving, with Tokencake's time scheduler.
 
-The paper's gate reserves a GPU-tier program's whole context through its tool calls, and
-only a budget overflow or a clearly busier class-1/2 request displaces it. On real agent
-traces that leaves the engine idle behind a full gate: GPU tiers full of programs in long
-tool calls (or abandoned), new programs unable to displace anyone, returning programs
-that were idle for long "too idle" to displace either (docs/policy.md has the numbers).
+Three layers, each registered for the ablation in every report:
 
-This policy keeps the paper's tiers, classes, BFD placement and typed hints, and adds one
-priced rule: a held request of any class that does not fit may move ACTING programs off
-its replica's GPU tier when the move pays,
+* `mori-paper` (router.policy.mori_paper): MORI 4.3.1 as the paper states it;
+* `mori-priced` (router.policy.priced): held requests of every class may move ACTING
+  programs off the GPU when the move pays (expected remaining tool time against the
+  measured reload/recompute price and recent return waits), aging on;
+* `mori` (here): plus two moves driven by a forecast of each tool call's duration
+  (`router.policy.predictor`), Tokencake section 4, measured to pay on the real Claude
+  Code sample (+16 to +37 % output tok/s at 50-80 programs, token scale 0.5) and to cost
+  nothing measurable elsewhere (docs/policy.md):
 
-    expected remaining idle time  >=  displace_margin x cost of bringing it back,
+* **Offload at tool start** (Tokencake Algorithm 1): when a GPU program starts a tool
+  call, its KV is moved to its replica's CPU tier (`OFFLOAD_TOOL`, hint idle) only if
+  the benefit beats the transfer cost:
 
-where the expected remaining idle time is the mean residual life of the program's current
-tool call given how long it has lasted (`router.policy.residual`, per tool key, learned
-online), and the cost is the reload over PCIe when the program's KV fits the replica's
-host tier, else its recompute (prefill), both priced per replica from the engine's own
-answers (`router.policy.prices`). Victims go farthest expected return first (Belady's
-choice). Requests held past `aging_s` go first and may move any ACTING program.
+      benefit = (T_fc - T_transfer) * value,   T_transfer = 2 * load_s_per_token * context
+
+  where `value` in [0, 1] is the share of the freed tokens that requests waiting at the
+  gate (whose step fits in the window) would fill right now, and the window must be at
+  least `tick_s`. No waiting demand, no offload: an idle GPU copy costs nothing when
+  nobody wants the room.
+
+* **Predictive promotion**: shortly before a CPU program's predicted tool end (lead =
+  load-back time + `predict_lead_s`) it is moved back to its GPU tier
+  (`PROMOTE_PREDICTED`, hint busy, so the engine loads it back before the request comes),
+  but only into free room nobody at the gate could use, never by displacing anyone. A
+  request that comes earlier is promoted the normal MORI way. A prediction that was too
+  short holds GPU room while the program still acts: that is bounded, since at
+  predicted end + `predict_grace_s` the program loses its protection and, if the gate
+  wants the room, goes back to CPU.
+
+The forecast needs finer timing than MORI's tick: `next_wakeup(now)` says when the
+shell should call `tick` next; between full periods `tick` only runs the predictive
+checks, so MORI's own rebalance keeps its `tick_s` cadence.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from dataclasses import dataclass
+from collections import Counter
 from typing import Any
 
 from router.policy.base import PolicyConfig
-from router.policy.mori_paper import MoriPaperPolicy
-from router.policy.predictor import DurationPredictor
+from router.policy.mori_paper import Idleness
+from router.policy.priced import PricedPolicy, ToolCall
 from router.policy.program import Program
-from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
+from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
-UNKNOWN_TOOL = "unknown"  # a gap whose tool the router was not told
-RETURN_WAIT_ALPHA = 0.1  # weight of the newest return wait in `return_wait_s`
-
-
-@dataclass(slots=True)
-class ToolCall:
-    """The tool call a program is in: what it is and when it is expected to end."""
-
-    tool: str
-    agent: str | None
-    start_s: float
-    predicted_s: float
-    ended_s: float | None = None  # the client said it finished (on_tool_end)
-    promote_tried: bool = False  # mori+predict's predictive promotion done (one per call)
-
-    @property
-    def predicted_end_s(self) -> float:
-        return self.start_s + self.predicted_s
+_EPS = 1e-9
+DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
 
 
-class MoriPolicy(MoriPaperPolicy):
-    """MORI with priced, work-conserving displacement and aging on (the default)."""
+class MoriPolicy(PricedPolicy):
+    """Work-conserving MORI plus tool-duration prediction: benefit-gated offload at tool
+    start and predictive promotion (the default policy)."""
 
     name = "mori"
-    default_aging_s = 120.0
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
-        self.predictor = DurationPredictor(self.config.ewma_alpha, self.config.hint_alpha)
-        self.calls: dict[str, ToolCall] = {}  # program -> the tool call it is in
-        self._evicted_since: dict[str, float] = {}  # held requests of programs off the GPU
-        self.return_wait_s = 0.0  # EWMA of those requests' gate waits (Continuum's T)
+        self.protected_until: dict[str, float] = {}  # predicted-promoted: safe from demotion
+        self._next_rebalance_s = float("-inf")
+        self.step_s = DEFAULT_STEP_S  # EWMA of observed reasoning (engine) time per step
+        # What the predictions did, for reports: offloads, predicted promotions, and how
+        # offloaded programs came back (already on GPU, or before their promotion).
+        self.outcomes: Counter[str] = Counter()
 
-    # tool calls ----------------------------------------------------------------------
+    # cost model --------------------------------------------------------------------
+    def load_s(self, p: Program) -> float:
+        """One-way GPU<->host copy time of the program's KV."""
+        return self.config.load_s_per_token * p.context_tokens
+
+    def promote_at(self, p: Program) -> float | None:
+        """When a CPU program of an ongoing call should start loading back."""
+        call = self.calls.get(p.program_id)
+        if call is None or call.promote_tried or call.ended_s is not None:
+            return None
+        return call.predicted_end_s - self.load_s(p) - self.config.predict_lead_s
+
+    def offload_benefit(self, p: Program, predicted_s: float) -> tuple[float, float]:
+        """(benefit, cost) in seconds of Algorithm 1 for offloading `p` now.
+
+        As in Tokencake, waiting work only counts if its step can finish inside the
+        window (`expected_step_s`): freeing room for a step that outlasts the tool call
+        just swaps two programs back and forth. And the window must last a tick: MORI's
+        tiers are sticky, so the room comes back to `p` only through a rebalance; for
+        shorter calls the measured effect was churn (docs/prediction.md)."""
+        cost = 2.0 * self.load_s(p)
+        window = predicted_s - cost
+        if window < self.config.tick_s or p.context_tokens <= 0:
+            return 0.0, cost
+        replica = p.placement.replica
+        free = max(0, self.tiers.free(Placement(Tier.GPU, replica)))
+        room = free + p.context_tokens
+        filled = 0
+        demand = (q for q in self._gated_demand(replica) if self.expected_step_s(q) <= window)
+        for tokens in sorted(q.context_tokens for q in demand):
+            if filled + tokens > room:
+                break
+            filled += tokens
+        value = min(1.0, max(0, filled - free) / p.context_tokens)
+        return window * value, cost
+
+    def expected_step_s(self, q: Program) -> float:
+        """How long q's next step should take: its recent mean, else the fleet's EWMA."""
+        if q.cycles:
+            return sum(r for r, _ in q.cycles) / len(q.cycles)
+        return self.step_s
+
+    def _gated_demand(self, replica: str | None) -> list[Program]:
+        """Programs whose request waits at the gate and could run on `replica`."""
+        cpu = Placement(Tier.CPU, replica)
+        return [
+            q
+            for q in self._held_programs()
+            if q.placement == cpu or q.placement.tier is Tier.WAITING
+        ]
+
+    def _ranking(self, now: float) -> Idleness:
+        """Protected (predicted-promoted, not yet overdue) programs rank least idle: they
+        are demoted last and never displaced by a swap, until their protection expires."""
+        base = super()._ranking(now)
+
+        def idleness(p: Program) -> float:
+            return -1.0 if p.program_id in self.protected_until else base(p)
+
+        return idleness
+
+    # events --------------------------------------------------------------------------
     def on_tool_start(
         self,
         program_id: str,
@@ -74,214 +136,144 @@ class MoriPolicy(MoriPaperPolicy):
         agent: str | None = None,
         predict_s: float | None = None,
     ) -> list[Move]:
-        moves = super().on_tool_start(program_id, now, tool, agent, predict_s)
+        super().on_tool_start(program_id, now, tool, agent, predict_s)
+        p = self.programs.get(program_id)
+        if p is None or p.status is not Status.ACTING:
+            return []
+        self.protected_until.pop(program_id, None)
+        if p.placement.tier is not Tier.GPU or p.demote_after_step is not None:
+            return []
+        benefit, cost = self.offload_benefit(p, self.calls[program_id].predicted_s)
+        cpu = Placement(Tier.CPU, p.placement.replica)
+        if benefit <= cost or not self.tiers.fits(cpu, p.context_tokens):
+            return []
+        self.outcomes["offload_at_tool_start"] += 1
+        return [self._move(p, cpu, MoveReason.OFFLOAD_TOOL, now)] + self._promote(now)
+
+    def on_tool_end(self, program_id: str, now: float) -> list[Move]:
+        """The call finished early or on time: learn from it, load the KV back if room."""
+        call = self.calls.get(program_id)
+        p = self.programs.get(program_id)
+        if call is None or p is None or call.ended_s is not None:
+            return []
+        self.observe_call(program_id, now)
+        cpu_moves = []
+        gpu = Placement(Tier.GPU, p.placement.replica)
+        if p.placement.tier is Tier.CPU and self._room_for(p, gpu):
+            cpu_moves.append(self._move(p, gpu, MoveReason.PROMOTE_CPU, now))
+        return cpu_moves
+
+    def on_response(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        moves = super().on_response(program_id, now, context_tokens)
         p = self.programs.get(program_id)
         if p is not None and p.status is Status.ACTING:
-            predicted = self.predictor.predict(agent, tool, predict_s)
-            self.calls[program_id] = ToolCall(tool, agent, p.interval_start, predicted)
+            a = self.config.ewma_alpha
+            self.step_s = a * p.reasoning_s + (1 - a) * self.step_s
         return moves
 
     def on_request(
         self, program_id: str, now: float, context_tokens: int | None = None
     ) -> list[Move]:
-        """The gap that just closed is one more observed tool duration."""
+        call = self.calls.get(program_id)
         p = self.programs.get(program_id)
-        if p is not None and p.steps > 0 and p.status is Status.ACTING:
-            self.observe_call(program_id, now)
-            if p.placement.tier is not Tier.GPU:
-                self._evicted_since[program_id] = now
-        self.calls.pop(program_id, None)
+        if call is not None and p is not None:
+            self._count_return(call, p)
+        self.protected_until.pop(program_id, None)
         return super().on_request(program_id, now, context_tokens)
 
-    def observe_call(self, program_id: str, now: float) -> None:
-        """The tool call of an ACTING program ended now (its next request came, or the
-        client said so): feed its duration to the predictor, once."""
-        p = self.programs[program_id]
-        call = self.calls.get(program_id)
-        if call is None:
-            self.predictor.observe(None, UNKNOWN_TOOL, now - p.interval_start)
-        elif call.ended_s is None:
-            call.ended_s = now
-            self.predictor.observe(call.agent, call.tool, now - call.start_s, call.predicted_s)
-
-    def _start(self, p: Program, now: float) -> None:
-        """A returning program that had lost its GPU room waited this long at the gate:
-        what the next program moved off the GPU should expect to wait when it returns."""
-        since = self._evicted_since.pop(p.program_id, None)
-        if since is not None:
-            a = RETURN_WAIT_ALPHA
-            self.return_wait_s = a * (now - since) + (1 - a) * self.return_wait_s
-        super()._start(p, now)
-
-    def cancel(self, program_id: str, now: float) -> list[Move]:
-        self._evicted_since.pop(program_id, None)
-        return super().cancel(program_id, now)
-
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
-        self.calls.pop(program_id, None)
-        self._evicted_since.pop(program_id, None)
-        return super().end(program_id, now, reason)
+        self.protected_until.pop(program_id, None)
+        moves = super().end(program_id, now, reason)
+        return moves + self._predictive_promotions(now) if moves else moves
 
-    def host_room(self, replica: str) -> int:
-        """Host DRAM tokens a CPU-tier program can really use on `replica`.
+    def _after_response(self, p: Program, now: float) -> list[Move]:
+        """Room a step freed goes to the gate first (MORI), then to due predictions."""
+        return super()._after_response(p, now) + self._predictive_promotions(now)
 
-        HiCache writes every finished request through to host and never evicts the host
-        copy of a block still on the GPU, so GPU-tier programs' backups hold host room
-        the CPU tier cannot have: at a CPU ratio of 1 a full GPU tier leaves the CPU tier
-        almost nothing, and a program "offloaded" there loses its host copy and recomputes.
-        """
-        cpu, gpu = Placement(Tier.CPU, replica), Placement(Tier.GPU, replica)
-        return self.tiers.budget(cpu) - self.tiers.used(cpu) - self.tiers.used(gpu)
+    def tick(self, now: float) -> list[Move]:
+        """A full MORI tick every `tick_s`; extra wake-ups run only the predictive checks."""
+        moves: list[Move] = []
+        if now + _EPS >= self._next_rebalance_s:
+            self._next_rebalance_s = now + self.config.tick_s
+            moves += super().tick(now)
+        return moves + self._expire_protection(now) + self._predictive_promotions(now)
 
-    def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
-        if dst.tier is Tier.CPU and p.context_tokens > self.host_room(dst.replica):  # type: ignore[arg-type]
-            return WAITING
-        return dst
-
-    def expected_idle_s(self, p: Program, now: float) -> float:
-        """Expected seconds until an ACTING program's next request."""
-        call = self.calls.get(p.program_id)
-        if call is None:
-            return self.predictor.remaining_s(None, UNKNOWN_TOOL, now - p.interval_start)
-        return self.predictor.remaining_s(call.agent, call.tool, now - call.start_s)
-
-    def move_cost_s(self, p: Program, dst: Placement) -> float:
-        """What moving `p` off its GPU tier costs when it returns: the reload from host
-        DRAM (or the recompute when its KV will not be kept on host), plus the gate wait
-        that programs returning off the GPU have met lately."""
-        prices = self.prices[p.placement.replica]  # type: ignore[index]
-        tokens = p.context_tokens
-        back = prices.reload_s(tokens) if dst.tier is Tier.CPU else prices.recompute_s(tokens)
-        return back + self.return_wait_s
+    def next_wakeup(self, now: float) -> float | None:
+        """The earliest time after `now` a predictive check has work (None: none); the
+        shell calls `tick` then. Due promotions that found no room are retried when room
+        frees (after a response or an end) and at later ticks, never in a busy loop."""
+        times = list(self.protected_until.values())
+        for pid in self.calls:
+            p = self.programs.get(pid)
+            if p is not None and p.placement.tier is Tier.CPU:
+                times.append(self.promote_at(p))
+        future = [t for t in times if t is not None and t > now + _EPS]
+        return min(future) if future else None
 
     def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
+        """Adds the forecast of the tool call the program is in: its predicted duration,
+        and seconds left until its predicted end (negative: overdue; None once ended)."""
         view = super().describe(program_id, now)
-        p = self.programs.get(program_id)
-        if view is not None and p is not None and p.status is Status.ACTING and p.steps > 0:
-            view["expected_idle_s"] = round(self.expected_idle_s(p, now), 3)
+        if view is None:
+            return None
+        call = self.calls.get(program_id)
+        view["predicted_tool_s"] = None if call is None else round(call.predicted_s, 3)
+        ended = call is None or call.ended_s is not None
+        view["predicted_tool_end_s"] = None if ended else round(call.predicted_end_s - now, 3)
         return view
 
-    # promotion ----------------------------------------------------------------------------
-    def _promote(self, now: float, displace: bool = False) -> list[Move]:
-        """The paper's pass (into free room; at a tick also its idleness swaps), then
-        priced displacement for what is left; room a displacement frees beyond its request
-        goes to the gate at once."""
-        moves = super()._promote(now, displace)
-        while True:
-            priced = self._displace_priced(now)
-            if not priced:
-                return moves
-            moves += priced + super()._promote(now, displace=False)
+    # predictive moves -------------------------------------------------------------
+    def _room_for(self, p: Program, gpu: Placement) -> bool:
+        """Free room on `gpu` for `p` that no request waiting at the gate could use."""
+        if not self.tiers.healthy.get(gpu.replica, False):  # type: ignore[arg-type]
+            return False
+        free = self.tiers.free(gpu)
+        if p.context_tokens > free:
+            return False
+        return not any(q.context_tokens <= free for q in self._gated_demand(gpu.replica))
 
-    def _displace_priced(self, now: float) -> list[Move]:
-        held = self._held_programs()
-        replicas = self.tiers.replicas()
-        if not held or not replicas:
-            return []
-        free = {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.promotion_reserve(r) for r in replicas
-        }
-        pool = _PricedPool(self, now)
-        moves: list[Move] = []
-        for p in self._priority_order(held, now):
-            aged = self.aging_s > 0 and now - p.last_active_s >= self.aging_s
-            if p.placement.tier is Tier.CPU:
-                targets = [p.placement.replica] if p.placement.replica in free else []
-            else:
-                order = sorted(free, key=free.__getitem__, reverse=True)
-                targets = [p.last_replica, *order] if p.last_replica in free else order
-            for r in dict.fromkeys(targets):
-                victims = pool.take(r, p.context_tokens - free[r], aged)  # type: ignore[arg-type]
-                if victims:
-                    moves += self._swap_in(p, r, victims, free, now)  # type: ignore[arg-type]
-                    break
+    def _predictive_promotions(self, now: float) -> list[Move]:
+        due = []
+        for pid in list(self.calls):
+            p = self.programs.get(pid)
+            if p is None or p.placement.tier is not Tier.CPU or p.pending:
+                continue
+            at = self.promote_at(p)
+            if at is not None and now + _EPS >= at:
+                due.append((self.calls[pid].predicted_end_s, p))
+        moves = []
+        for predicted_end, p in sorted(due, key=lambda e: e[0]):  # soonest back first
+            gpu = Placement(Tier.GPU, p.placement.replica)
+            if self._room_for(p, gpu):
+                self.calls[p.program_id].promote_tried = True
+                self.protected_until[p.program_id] = predicted_end + self.config.predict_grace_s
+                self.outcomes["predicted_promotion"] += 1
+                moves.append(self._move(p, gpu, MoveReason.PROMOTE_PREDICTED, now))
         return moves
 
-    def _priority_order(self, held: list[Program], now: float) -> list[Program]:
-        """Aged requests first (oldest first), then the paper's classes, each ordered as
-        the promotion pass orders it."""
-        idleness = self._ranking(now)
-        cutoff = now - self.aging_s if self.aging_s > 0 else float("-inf")
-        aged = [p for p in held if p.last_active_s <= cutoff]
-        classes: tuple[list[Program], list[Program], list[Program]] = ([], [], [])
-        for p in held:
-            if p.last_active_s > cutoff:
-                k = 0 if p.placement.tier is Tier.CPU else 1 if p.steps > 0 else 2
-                classes[k].append(p)
-        classes[0].sort(key=idleness)
-        classes[1].sort(key=idleness)
-        classes[2].sort(key=lambda p: (p.context_tokens, idleness(p)))
-        return aged + classes[0] + classes[1] + classes[2]
+    def _expire_protection(self, now: float) -> list[Move]:
+        """A predicted-promoted program still acting past predicted end + grace was
+        mispredicted: it loses its protection and yields the room if the gate wants it."""
+        moves = []
+        for pid, until in list(self.protected_until.items()):
+            if now + _EPS < until:
+                continue
+            del self.protected_until[pid]
+            p = self.programs.get(pid)
+            if p is None or p.placement.tier is not Tier.GPU or p.status is not Status.ACTING:
+                continue
+            if self._gated_demand(p.placement.replica):
+                cpu = self._fit_or_waiting(Placement(Tier.CPU, p.placement.replica), p)
+                self.outcomes["overdue_demotion"] += 1
+                moves.append(self._move(p, cpu, MoveReason.DEMOTE, now))
+        return moves + (self._promote(now) if moves else [])
 
-    def _swap_in(
-        self, p: Program, replica: str, victims: list[Program], free: dict[str, int], now: float
-    ) -> list[Move]:
-        reason = (
-            MoveReason.PROMOTE_CPU
-            if p.placement.tier is Tier.CPU
-            else MoveReason.PROMOTE_WAITING
-            if p.steps > 0
-            else MoveReason.PROMOTE_NEW
-        )
-        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
-        cpu = Placement(Tier.CPU, replica)
-        for v in victims:
-            moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += sum(v.context_tokens for v in victims) - p.context_tokens
-        return moves
-
-
-class _PricedPool:
-    """ACTING GPU programs whose move pays, per replica, farthest expected return first,
-    with token prefix sums: "the fewest such victims freeing `needed` tokens" is one
-    bisection. Aged requests may take any ACTING program (`_all`)."""
-
-    def __init__(self, policy: MoriPolicy, now: float) -> None:
-        self._policy = policy
-        self._now = now
-        self._pools: dict[tuple[str, bool], tuple[list[Program], list[int]]] = {}
-        self._start: dict[tuple[str, bool], int] = {}
-        self._taken: set[str] = set()
-
-    def _pool(self, replica: str, any_victim: bool) -> tuple[list[Program], list[int]]:
-        key = (replica, any_victim)
-        pool = self._pools.get(key)
-        if pool is None:
-            policy, now = self._policy, self._now
-            margin = policy.config.displace_margin
-            cpu = Placement(Tier.CPU, replica)
-            ranked = []
-            for q in policy.tiers.members(Placement(Tier.GPU, replica)):
-                if q.status is not Status.ACTING or q.demote_after_step is not None:
-                    continue
-                idle = policy.expected_idle_s(q, now)
-                dst = policy._fit_or_waiting(cpu, q)
-                if any_victim or idle >= margin * policy.move_cost_s(q, dst):
-                    ranked.append((idle, q))
-            ranked.sort(key=lambda e: e[0], reverse=True)
-            prefix = [0]
-            for _, q in ranked:
-                prefix.append(prefix[-1] + q.context_tokens)
-            pool = self._pools[key] = ([q for _, q in ranked], prefix)
-            self._start[key] = 0
-        return pool
-
-    def take(self, replica: str, needed: int, aged: bool) -> list[Program]:
-        """Victims freeing `needed` tokens on `replica`, or [] (a partial move would be
-        churn for nothing)."""
-        if needed <= 0:
-            return []
-        key = (replica, aged)
-        programs, prefix = self._pool(replica, aged)
-        start = self._start[key]
-        while start < len(programs) and programs[start].program_id in self._taken:
-            start += 1
-        end = bisect_left(prefix, prefix[start] + needed, lo=start)
-        if end >= len(prefix):
-            return []
-        chosen = [q for q in programs[start:end] if q.program_id not in self._taken]
-        if sum(q.context_tokens for q in chosen) < needed:
-            return []
-        self._start[key] = end
-        self._taken.update(q.program_id for q in chosen)
-        return chosen
+    def _count_return(self, call: ToolCall, p: Program) -> None:
+        """How a program came back from a tool call: still on CPU (its request waits for a
+        load-back), or already on GPU thanks to a predictive promotion."""
+        if p.placement.tier is Tier.CPU:
+            self.outcomes["back_while_on_cpu"] += 1
+        elif call.promote_tried:
+            self.outcomes["back_after_predicted_promotion"] += 1

@@ -131,7 +131,7 @@ class MoriPaperPolicy(Policy):
         return moves + self._promote(now, displace=True)
 
     def _ranking(self, now: float) -> Idleness:
-        """The idleness that ranks victims and candidates in one pass (a hook: mori+predict
+        """The idleness that ranks victims and candidates in one pass (a hook: mori
         ranks programs it promoted ahead of a predicted tool end as least idle)."""
         return _memo_idleness(now)
 
