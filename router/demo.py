@@ -49,7 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--policies",
         "--policy",
         dest="policies",
-        default="mori,ta+o",
+        default="mori,ta+o,smg",
         help="comma list of router policies to compare, each on a fresh stack "
         f"({', '.join(policy_names())})",
     )

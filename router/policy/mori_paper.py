@@ -71,10 +71,11 @@ class MoriPaperPolicy(Policy):
         super().__init__(config)
         self._context_after: dict[str, int] = {}  # context after each program's last step
         self._growth: dict[str, int] = {}  # context growth of its last step (tokens)
-        # promotion_reserve kept incrementally (a pass asks for it per replica, and every
-        # event runs a pass): each REASONING GPU program's growth, summed per replica
+        # REASONING GPU programs per replica, kept incrementally (every event's pass asks):
+        # their number and their growth summed (promotion_reserve)
         self._reserved: dict[str, tuple[str, int]] = {}  # program -> (replica, tokens)
         self._reserve: dict[str, int] = {}
+        self._reasoning: dict[str, int] = {}
         self._smallest = _SmallestHeld()
 
     def promotion_reserve(self, replica: str) -> int:
@@ -92,18 +93,25 @@ class MoriPaperPolicy(Policy):
         """
         return self._reserve.get(replica, 0)
 
+    def reasoning_on(self, replica: str) -> int:
+        """How many programs have a step running on `replica` (the batch a recompute
+        there stalls)."""
+        return self._reasoning.get(replica, 0)
+
     def _sync_reserve(self, p: Program) -> None:
-        """Re-account `p`'s share of its replica's reserve after any change to its status,
-        placement or growth (idempotent)."""
+        """Re-account `p` in its replica's REASONING count and reserve after any change
+        to its status, placement or growth (idempotent)."""
         old = self._reserved.pop(p.program_id, None)
         if old is not None:
             self._reserve[old[0]] -= old[1]
-        growth = self._growth.get(p.program_id, 0)
+            self._reasoning[old[0]] -= 1
         on_gpu = p.placement.tier is Tier.GPU and p.program_id in self.programs
-        if growth and on_gpu and p.status is Status.REASONING:
-            replica = p.placement.replica
-            self._reserved[p.program_id] = (replica, growth)  # type: ignore[assignment]
-            self._reserve[replica] = self._reserve.get(replica, 0) + growth  # type: ignore[index]
+        if on_gpu and p.status is Status.REASONING:
+            replica: str = p.placement.replica  # type: ignore[assignment]
+            growth = self._growth.get(p.program_id, 0)
+            self._reserved[p.program_id] = (replica, growth)
+            self._reserve[replica] = self._reserve.get(replica, 0) + growth
+            self._reasoning[replica] = self._reasoning.get(replica, 0) + 1
 
     def _move(self, p: Program, dst: Placement, reason: MoveReason, now: float) -> Move:
         move = super()._move(p, dst, reason, now)
