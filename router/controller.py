@@ -20,6 +20,7 @@ from router.config import RouterConfig
 from router.engines import HintsUnsupported, Replica, make_replicas
 from router.gate import Gate
 from router.metrics import RouterMetrics
+from router.outliers import Outliers
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.types import Hint, Move, ReplicaCapacity
 
@@ -54,6 +55,7 @@ class Router:
         self.policy = policy or make_policy(config.policy, policy_config(config))
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
+        self.outliers = Outliers(clock, config.stall_s, config.outlier_failures, config.eject_s)
         self.client, self.pools, self.replicas = make_replicas(config)
         self.epoch = 0
         self.in_flight = 0
@@ -84,7 +86,7 @@ class Router:
             else:
                 self.policy.add_replica(replica.url, result)
         self.metrics.refresh_tiers(self.policy)
-        loops = [self._tick_loop, self._capacity_loop, self._health_loop]
+        loops = [self._tick_loop, self._capacity_loop, self._health_loop, self._outlier_loop]
         if self.policy.sends_hints:
             loops.append(self._hint_loop)
         self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
@@ -168,14 +170,19 @@ class Router:
         return True
 
     # replica failures -------------------------------------------------------------
-    def drain(self, replica: Replica, why: str) -> None:
-        """Take a replica out: its programs go to WAITING and are re-placed elsewhere."""
+    def drain(self, replica: Replica, why: str, reason: str) -> None:
+        """Take a replica out: its programs go to WAITING and are re-placed, its silent
+        requests are cut (they fail over or end with an error), and it stays out for the
+        outlier back-off before a passing health check may readmit it."""
         if not self.policy.tiers.healthy.get(replica.url, False):
             return
-        log.warning("replica %s drained: %s", replica.url, why)
+        span = self.outliers.eject(replica.url)
+        log.warning("replica %s drained for at least %.0f s: %s", replica.url, span, why)
         replica.failures = max(replica.failures, self.config.health_failures)
         self.apply(self.policy.set_healthy(replica.url, False, self.clock()))
         self.metrics.replica_healthy.labels(replica.url).set(0)
+        self.metrics.ejections.labels(replica.url, reason).inc()
+        self.outliers.cut_silent(replica.url, f"replica drained: {why}")
 
     async def _rejoin(self, replica: Replica) -> None:
         try:
@@ -243,12 +250,34 @@ class Router:
             healthy = self.policy.tiers.healthy[replica.url]
             if ok:
                 replica.failures = 0
-                if not healthy:
+                if not healthy and self.outliers.may_rejoin(replica.url):
                     await self._rejoin(replica)
                 continue
             replica.failures += 1
             if healthy and replica.failures >= self.config.health_failures:
-                self.drain(replica, f"{replica.failures} failed health checks")
+                self.drain(replica, f"{replica.failures} failed health checks", "health")
+
+    async def _outlier_loop(self) -> None:
+        await self._every(self.config.stall_s / 4, self.watch_outliers)
+
+    def watch_outliers(self) -> None:
+        """Silent replicas: a drained one has its silent requests cut; a healthy one is
+        probed (once at a time) and drained if the probe fails."""
+        for url in self.outliers.silent():
+            replica = self.replicas[url]
+            if not self.policy.tiers.healthy[url]:
+                self.outliers.cut_silent(url, "replica drained and silent")
+            elif self.outliers.start_probe(url):
+                self.spawn(self._probe(replica))
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            ok = await replica.healthy()
+        finally:
+            self.outliers.end_probe(replica.url)
+        if not ok:
+            why = f"no byte for {self.config.stall_s:g} s with requests in flight, probe failed"
+            self.drain(replica, why, "stalled")
 
     # hints ---------------------------------------------------------------------------
     async def _hint_loop(self) -> None:
