@@ -117,9 +117,13 @@ class ScriptedReplica:
     """A minimal engine double for faults the emulator does not stage: hint endpoint
     errors, and recording the aborts the router sends."""
 
-    def __init__(self, hints_status: int = 200, tokens: int = 3, delay_s: float = 0.0) -> None:
+    def __init__(
+        self, hints_status: int = 200, tokens: int = 3, delay_s: float = 0.0, chat_status: int = 200
+    ) -> None:
         self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
+        self.chat_status = chat_status  # an engine failing every chat request (5xx)
         self.hint_calls = 0
+        self.chat_calls = 0
         self.aborts: list[str] = []
         self.app = Starlette(
             routes=[
@@ -158,6 +162,9 @@ class ScriptedReplica:
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
+        self.chat_calls += 1
+        if self.chat_status != 200:
+            return JSONResponse({"detail": "engine failure"}, status_code=self.chat_status)
         usage = {
             "prompt_tokens": 5,
             "completion_tokens": self.tokens,
