@@ -63,6 +63,7 @@ class Router:
         self._hints_dirty = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # health probe in flight per replica
         self._next_wakeup = getattr(self.policy, "next_wakeup", None)  # predictive only
         self._wakeup: asyncio.TimerHandle | None = None  # the policy's next extra tick
         self._wakeup_at = float("inf")
@@ -262,22 +263,30 @@ class Router:
 
     def watch_outliers(self) -> None:
         """Silent replicas: a drained one has its silent requests cut; a healthy one is
-        probed (once at a time) and drained if the probe fails."""
+        probed (at most once per `stall_s`) and drained if the probe fails."""
         for url in self.outliers.silent():
             replica = self.replicas[url]
             if not self.policy.tiers.healthy[url]:
                 self.outliers.cut_silent(url, "replica drained and silent")
-            elif self.outliers.start_probe(url):
-                self.spawn(self._probe(replica))
+            elif self.outliers.due_probe(url):
+                silence = f"no byte for {self.config.stall_s:g} s with requests in flight"
+                self.spawn(self.confirm(replica, silence, "stalled"))
 
-    async def _probe(self, replica: Replica) -> None:
-        try:
-            ok = await replica.healthy()
-        finally:
-            self.outliers.end_probe(replica.url)
-        if not ok:
-            why = f"no byte for {self.config.stall_s:g} s with requests in flight, probe failed"
-            self.drain(replica, why, "stalled")
+    def probe(self, replica: Replica) -> asyncio.Future[bool]:
+        """The replica's health probe: one in flight at a time, shared by all who ask."""
+        probe = self._probes.get(replica.url)
+        if probe is None:
+            probe = self._probes[replica.url] = asyncio.ensure_future(replica.healthy())
+            probe.add_done_callback(lambda _: self._probes.pop(replica.url, None))
+        return probe
+
+    async def confirm(self, replica: Replica, why: str, reason: str) -> bool:
+        """After a sign that may be the request's doing as much as the replica's: drain
+        the replica only if its probe fails too. True when it was drained."""
+        if await asyncio.shield(self.probe(replica)):
+            return False
+        self.drain(replica, f"{why}; health probe failed", reason)
+        return True
 
     # hints ---------------------------------------------------------------------------
     async def _hint_loop(self) -> None:

@@ -40,9 +40,11 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 class _Retry(Exception):
     """The replica failed before the client saw a byte: another replica may serve it."""
 
-    def __init__(self, why: str, reason: str) -> None:
+    def __init__(self, why: str, certain: bool = False) -> None:
         super().__init__(why)
-        self.reason = reason  # the ejection reason the drain is counted under
+        # certain: the replica is at fault (it refused the connection, or it was already
+        # drained); else the request may be, and a health probe decides (Router.confirm)
+        self.certain = certain
 
 
 def replica_fault(error: httpx.TransportError) -> bool:
@@ -88,6 +90,7 @@ class Exchange(Response):
         # the current attempt for the outlier books: True served, False the replica
         # failed it, None neither (the client left, or the request could not be sent)
         self.verdict: bool | None = None
+        self.failed_on: list[Replica] = []  # replicas an attempt of this request failed on
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request in this task; a watcher cancels it if the client leaves."""
@@ -158,15 +161,16 @@ class Exchange(Response):
                 return
             except _Retry as e:
                 r.metrics.requests.labels(replica.url, "retried").inc()
-                r.drain(replica, str(e), e.reason)
+                if e.certain:
+                    r.drain(replica, str(e), "connect")
+                else:
+                    await r.confirm(replica, str(e), "failed")
             finally:
                 now = r.clock()
                 r.apply(policy.on_response(pid, now, usage.context_tokens))
                 if usage.tool:
                     r.apply(policy.on_tool_start(pid, now, usage.tool, agent=self.call.agent))
-        raise ApiError(
-            502, "no healthy replica could serve the request", code="upstream_unavailable"
-        )
+        raise ApiError(502, "no engine replica answered the request", code="upstream_unavailable")
 
     async def _gated(self, deadline: float) -> str:
         """Wait for the program's replica; on any exit but success the request is cancelled."""
@@ -196,14 +200,19 @@ class Exchange(Response):
                 raise
             self.verdict = False
             if not self.started:
-                raise _Retry(attempt.cut_reason, "stalled") from None
+                raise _Retry(attempt.cut_reason, certain=True) from None
             log.warning(
                 "request %s on %s cut mid-stream: %s", self.rid, replica.url, attempt.cut_reason
             )
             await self._fail_stream(send, "the engine replica stopped responding mid-stream")
             return Usage()
         finally:
-            if r.outliers.end(attempt, self.verdict):
+            # one failure per request and replica: a request that fails on every retry
+            # (it may be the cause) adds one to the streak, not max_retries + 1
+            verdict = None if self.verdict is False and replica in self.failed_on else self.verdict
+            if verdict is False:
+                self.failed_on.append(replica)
+            if r.outliers.end(attempt, verdict):
                 failures = r.config.outlier_failures
                 r.drain(replica, f"{failures} requests in a row failed", "failures")
 
@@ -218,11 +227,12 @@ class Exchange(Response):
                     400, "the request could not be sent to the engine", code="invalid_request"
                 ) from None
             self.verdict = False
-            raise _Retry(f"{type(e).__name__} before the response started", "transport") from None
+            connect = isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+            raise _Retry(f"{type(e).__name__} before the response started", connect) from None
         attempt.last_byte = self.router.clock()
         try:
             if upstream.status_code >= 400:
-                self.verdict = upstream.status_code < 500
+                self.verdict = True  # an answer, even an error: the replica is serving
                 await self._relay_error(upstream, send)
                 complete = True
                 return Usage()
@@ -244,7 +254,7 @@ class Exchange(Response):
             content = await upstream.aread()
         except httpx.TransportError as e:
             self.verdict = False
-            raise _Retry(f"{type(e).__name__} while reading the answer", "transport") from None
+            raise _Retry(f"{type(e).__name__} while reading the answer") from None
         usage = (anthropic_body if self.call.anthropic else openai_body)(content)
         now = self.router.clock()
         self.router.metrics.ttft.labels(replica.url).observe(now - self.call.arrival)
@@ -276,8 +286,11 @@ class Exchange(Response):
         except httpx.TransportError as e:
             self.verdict = False
             if not self.started:
-                raise _Retry(f"{type(e).__name__} before the first byte", "transport") from None
+                raise _Retry(f"{type(e).__name__} before the first byte") from None
             log.warning("replica %s failed mid-stream: %s", replica.url, e)
+            self.router.spawn(
+                self.router.confirm(replica, f"{type(e).__name__} mid-stream", "failed")
+            )
             await self._fail_stream(send, "the engine replica failed mid-stream")
             return parser.finish()
         tail = parser.flush()

@@ -20,10 +20,11 @@ from router.policy.types import Move, Placement, Tier
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
-# transport: a request failed before its first byte; failures: `outlier_failures` failed
-# requests in a row; stalled: silent with requests in flight and the probe failed;
-# health: `health_failures` failed health checks in a row
-EJECTION_REASONS = ("transport", "failures", "stalled", "health")
+# connect: a connection to it failed; failed: a request failed at the transport level and
+# the health probe failed; failures: `outlier_failures` requests in a row failed that way;
+# stalled: silent with requests in flight and the probe failed; health: `health_failures`
+# failed health checks in a row
+EJECTION_REASONS = ("connect", "failed", "failures", "stalled", "health")
 
 
 class RouterMetrics:

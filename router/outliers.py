@@ -5,17 +5,24 @@ accepts connections; three missed checks take ~25 s) and blind to a replica that
 `/health` but fails requests. Alongside them, as Envoy's outlier detection and the SGLang
 gateway's circuit breaker do, the router watches its own traffic:
 
-- **consecutive failures**: `failures` requests in a row that failed on the replica
-  (transport errors, engine 5xx) eject it;
+- **connect failures**: a replica that refuses or times out a connection is ejected at
+  once (no request can cause that);
+- **other transport failures** (a reset, a broken or cut-off answer) may be the request's
+  doing (a body the engine's server rejects, a keep-alive race) as much as the replica's:
+  the router probes the replica's `/health` and ejects it only if the probe fails, so a
+  hostile request cannot drain a healthy replica; `failures` of them in a row with no
+  served request in between eject it regardless (a replica that answers `/health` but
+  breaks every request); an engine's error answer (4xx, 5xx) is an answer and never counts;
 - **silence**: a replica with requests in flight and no byte from any of them for
-  `stall_s` is suspect; the router then probes its `/health` once, and a failed probe
-  ejects it (a long prefill is silent too, but its server still answers the probe);
+  `stall_s` is probed (at most once per `stall_s`), and ejected if the probe fails (a long
+  prefill is silent too, but its server still answers the probe);
 - **ejection**: every in-flight attempt on the replica that has been silent for `stall_s`
   is cut (it fails over to another replica if the client has seen no byte yet, else ends
   with a clear error), and the replica stays out for `eject_s`, doubled for each ejection
   in a row (capped at `MAX_EJECT_S`), before a passing health check may readmit it.
 
-This module only keeps the books; the router decides (`Router.drain`, `_watch_outliers`).
+This module only keeps the books; the router decides (`Router.drain`, `Router.confirm`,
+`Router.watch_outliers`).
 """
 
 from __future__ import annotations
@@ -51,8 +58,7 @@ class _Books:
     failures: int = 0  # requests in a row that failed on the replica
     ejections: int = 0  # ejections in a row (reset by a request served after readmission)
     out_until: float = 0.0  # no readmission before this time
-    probing: bool = False
-    probed_at: float = float("-inf")
+    probed_at: float = float("-inf")  # last probe of the replica for silence
 
 
 class Outliers:
@@ -104,17 +110,14 @@ class Outliers:
             if books.attempts and now - max(a.last_byte for a in books.attempts) >= self.stall_s
         ]
 
-    def start_probe(self, url: str) -> bool:
-        """Claim the replica's probe slot: one at a time, one per `stall_s` (a replica
-        busy with long silent work is probed at that rate, not on every watch)."""
+    def due_probe(self, url: str) -> bool:
+        """Whether a silent replica may be probed now: once per `stall_s`, so a replica
+        busy with long silent work (a long prefill) is probed at that rate, no faster."""
         books, now = self._of(url), self.clock()
-        if books.probing or now - books.probed_at < self.stall_s:
+        if now - books.probed_at < self.stall_s:
             return False
-        books.probing, books.probed_at = True, now
+        books.probed_at = now
         return True
-
-    def end_probe(self, url: str) -> None:
-        self._of(url).probing = False
 
     # ejection ------------------------------------------------------------------------
     def eject(self, url: str) -> float:

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.router_harness import (
     ScriptedReplica,
@@ -60,30 +61,41 @@ def test_silent_replica_is_probed_ejected_and_its_request_fails_over():
 
 
 def test_failure_streak_ejects_a_replica_that_answers_health_checks():
-    """An engine that is up but fails every request (5xx) is ejected after
-    `outlier_failures` in a row; its errors reach the client as they are."""
-    failing = ScriptedReplica(chat_status=500)
-    good = ScriptedReplica()
+    """An engine that answers `/health` but cuts every stream off is ejected after
+    `outlier_failures` such failures in a row; its clients get an error event."""
+    breaking = ScriptedReplica(tokens=5, break_streams=True)
     with (
-        serve(failing) as bad_url,
-        serve(good) as good_url,
+        serve(breaking) as bad_url,
+        serve(ScriptedReplica(tokens=5)) as good_url,
         router([bad_url, good_url], outlier_failures=3, eject_s=60.0) as base,
     ):
-        c = client(base)
-        codes = []
+        ends = []
         for i in range(12):  # new programs alternate over the two replicas
             try:
-                c.chat.completions.create(**chat(f"p{i}"))
-                codes.append(200)
-            except openai.APIStatusError as e:
-                codes.append(e.status_code)
-        assert codes.count(500) == 3, codes
-        third = [i for i, code in enumerate(codes) if code == 500][-1]
-        assert set(codes[third + 1 :]) == {200}
-        assert failing.chat_calls == 3
+                stream = client(base).chat.completions.create(**chat(f"p{i}"), stream=True)
+                ends.append(sum(1 for _ in stream) and "complete")
+            except openai.APIError as e:
+                ends.append(str(e))
+        cut = [e for e in ends if e != "complete"]
+        assert cut == ["the engine replica failed mid-stream"] * 3, ends
+        last_cut = max(i for i, e in enumerate(ends) if e != "complete")
+        assert set(ends[last_cut + 1 :]) == {"complete"}  # ejected: no stream goes there
         assert metric(base, "mori_replica_ejections_total", reason="failures") == 1
         assert not _replicas(base)[bad_url]["healthy"]
-        assert _replicas(base)[good_url]["healthy"]
+        assert_clean(base)
+
+
+def test_engine_error_answers_never_eject():
+    """Error answers are answers: a client that makes an engine answer 500 (or 400) on
+    purpose must not be able to take the replica out of service."""
+    failing = ScriptedReplica(chat_status=500)
+    with serve(failing) as url, router([url], outlier_failures=2) as base:
+        for i in range(6):
+            with pytest.raises(openai.InternalServerError):
+                client(base).chat.completions.create(**chat(f"p{i}"))
+        assert failing.chat_calls == 6
+        assert metric(base, "mori_replica_ejections_total") == 0
+        assert _replicas(base)[url]["healthy"]
         assert_clean(base)
 
 

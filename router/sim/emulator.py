@@ -121,7 +121,8 @@ def _program_of(body: dict, prompt_text: str) -> str:
 
 def _natural_length(prompt_text: str) -> int:
     """Tokens a request 'wants' without ignore_eos: 16-64, a hash of the prompt."""
-    return 16 + int(hashlib.blake2b(prompt_text.encode(), digest_size=2).hexdigest(), 16) % 49
+    digest = hashlib.blake2b(prompt_text.encode("utf-8", "surrogatepass"), digest_size=2)
+    return 16 + int(digest.hexdigest(), 16) % 49  # (JSON may carry lone surrogates)
 
 
 def _tool_call_of(body: dict) -> dict | None:
