@@ -47,7 +47,7 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app of `mori serve` (also used in-process by tests and benchmarks)."""
     router = Router(config, policy=policy, clock=clock)
-    intake = Intake()
+    intake = Intake(config.worker_parse_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

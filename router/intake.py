@@ -29,7 +29,6 @@ from router.sanitize import LabelError, check_label
 log = logging.getLogger("mori.intake")
 
 MAX_DEPTH = 64  # JSON nesting the router accepts (tool schemas need ~10; engines recurse)
-INLINE_BYTES = 256 * 1024  # larger bodies are prepared in the worker process
 
 
 @dataclass(frozen=True)
@@ -226,12 +225,13 @@ def validate(kind: str, body: dict[str, Any]) -> None:
 
 # --- size-aware preparation -----------------------------------------------------------
 class Intake:
-    """Runs `prepare` inline for bodies up to INLINE_BYTES, in a worker process above.
+    """Runs `prepare` inline for bodies up to `inline_bytes`, in a worker process above
+    (`worker_parse_bytes` in the config).
 
     The worker starts on the first large body (most deployments never send one) and is
     replaced if it dies; while it is broken, large bodies are prepared inline."""
 
-    def __init__(self, inline_bytes: int = INLINE_BYTES) -> None:
+    def __init__(self, inline_bytes: int) -> None:
         self.inline_bytes = inline_bytes
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 

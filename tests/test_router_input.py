@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from router.accounting import OpenAIStream
 from router.api import create_app
 from router.config import ConfigError, load_config
+from router.errors import ApiError
 from router.identity import fingerprint, namespace, resolve
+from router.intake import Hints, Intake, prepare
 from router.sanitize import LabelError
 from tests.router_harness import emulators
 from tests.servers import mori
@@ -88,6 +90,23 @@ def test_program_id_sources_in_order():
         resolve({"program_id": {"nested": 1}}, None, "")
     with pytest.raises(LabelError):
         resolve({"program_id": "x" * 1000}, None, "")
+
+
+async def test_large_bodies_are_prepared_in_the_worker_process():
+    """Above the threshold `prepare` runs in another process: same result, same errors."""
+    intake = Intake(inline_bytes=0)
+    body = {"messages": [{"role": "user", "content": "hi"}], "program_id": "big", "stream": True}
+    try:
+        here = prepare("chat", json.dumps(body).encode(), Hints())
+        there = await intake.prepare("chat", json.dumps(body).encode(), Hints())
+        assert (there.program_id, there.stream, there.rid != here.rid) == ("big", True, True)
+        assert json.loads(there.content)["session_id"] == "big"
+        bad = json.dumps({**body, "metadata": {"user_id": "x"}, "program_id": "\ud800"})
+        with pytest.raises(ApiError) as err:
+            await intake.prepare("chat", bad.encode(), Hints())
+        assert (err.value.status, err.value.param) == (400, "program_id")
+    finally:
+        intake.close()
 
 
 def test_fingerprint_follows_the_stable_start():
