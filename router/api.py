@@ -161,7 +161,8 @@ def create_app(
     @app.get("/v1/replicas")
     async def replicas(request: Request) -> dict[str, Any]:
         auth.admin(request)
-        return {"object": "list", "data": [replica_view(router, url) for url in router.replicas]}
+        data = [replica_view(router, url) for url in router.replicas]
+        return {"object": "list", "policy": router.policy.name, "data": data}
 
     # operations --------------------------------------------------------------------------
     @app.get("/health")
