@@ -28,6 +28,16 @@ def sdk(base: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=30)
 
 
+def stream(c: anthropic.Anthropic, text: str, user: str, max_tokens: int):
+    """A streamed Messages call of program `user` (a context manager over its events)."""
+    return c.messages.stream(
+        model="m",
+        max_tokens=max_tokens,
+        messages=[{"role": "user", "content": text}],
+        metadata={"user_id": user},
+    )
+
+
 def ask(c: anthropic.Anthropic, text: str, **kwargs):
     messages = kwargs.pop("messages", [{"role": "user", "content": text}])
     return c.messages.create(
@@ -100,13 +110,8 @@ def test_both_sdks_through_the_router():
         assert m.content[0].text
         view = httpx.get(base + "/v1/programs/anth-1").json()
         assert view["context_tokens"] == m.usage.input_tokens + m.usage.output_tokens
-        with c.messages.stream(
-            model="m",
-            max_tokens=6,
-            messages=[{"role": "user", "content": "go on"}],
-            metadata={"user_id": "anth-2"},
-        ) as stream:
-            assert stream.get_final_message().usage.output_tokens <= 6
+        with stream(c, "go on", "anth-2", max_tokens=6) as events:
+            assert events.get_final_message().usage.output_tokens <= 6
         openai_answer = client(base).chat.completions.create(**chat("oai-1"))
         assert openai_answer.choices[0].message.content
         # the router's own errors on /v1/messages are Anthropic-shaped too
@@ -128,13 +133,8 @@ def test_replica_killed_under_anthropic_streams_makes_the_sdk_raise():
         procs = {url_a: proc_a, url_b: proc_b}
         with router([url_a, url_b]) as base:
             c = sdk(base)
-            with c.messages.stream(
-                model="m",
-                max_tokens=64,
-                messages=[{"role": "user", "content": "tell me a long story"}],
-                metadata={"user_id": "victim"},
-            ) as stream:
-                events = iter(stream)
+            with stream(c, "tell me a long story", "victim", max_tokens=64) as answer:
+                events = iter(answer)
                 assert next(events).type == "message_start"
                 doomed = httpx.get(base + "/v1/programs/victim").json()["last_replica"]
                 os.killpg(procs[doomed].pid, signal.SIGKILL)
