@@ -153,6 +153,7 @@ def hostile_run(tmp_path: Path, count: int, seed: int) -> dict:
 
 def test_hostile_input_never_breaks_the_router(tmp_path):
     figures = hostile_run(tmp_path, count=300, seed=1)
+    print(f"hostile suite: {figures}")
     assert figures["statuses"].get(200, 0) >= 60  # the valid share reaches the engines
     assert figures["statuses"].get(400, 0) >= 60
 
