@@ -21,24 +21,13 @@ from router.engines import HintsUnsupported, Replica, make_replicas
 from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.outliers import Outliers
-from router.policy import Policy, PolicyConfig, make_policy
+from router.policy import Policy, make_policy
 from router.policy.types import Hint, Move, ReplicaCapacity
 
 log = logging.getLogger("mori.router")
 
 DEFAULT_CHARS_PER_TOKEN = 4.0
 EMA_ALPHA = 0.3
-
-
-def policy_config(config: RouterConfig) -> PolicyConfig:
-    return PolicyConfig(
-        window=config.window,
-        tick_s=config.tick_s,
-        lease_s=config.lease_s,
-        hysteresis=config.hysteresis,
-        new_program_tokens=config.new_program_tokens,
-        load_s_per_token=config.load_s_per_token,
-    )
 
 
 class Router:
@@ -52,7 +41,7 @@ class Router:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.policy = policy or make_policy(config.policy, policy_config(config))
+        self.policy = policy or make_policy(config.policy, config.policy_config())
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
         self.outliers = Outliers(clock, config.stall_s, config.outlier_failures, config.eject_s)
@@ -164,9 +153,11 @@ class Router:
         )
 
     def end_program(self, program_id: str) -> bool:
+        """Forget the program; a request of it held at the gate is answered at once."""
         if program_id not in self.policy.programs:
             return False
         self.apply(self.policy.end(program_id, self.clock()))
+        self.gate.end(program_id)
         self._chars_per_token.pop(program_id, None)
         return True
 

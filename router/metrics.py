@@ -119,7 +119,7 @@ class RouterMetrics:
         self.hint_unsupported.labels(replica)
         for reason in EJECTION_REASONS:
             self.ejections.labels(replica, reason)
-        for outcome in ("ok", "error", "timeout", "client_disconnect", "retried"):
+        for outcome in ("ok", "error", "timeout", "ended", "client_disconnect", "retried"):
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
             family.labels(replica)

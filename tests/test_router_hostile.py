@@ -119,8 +119,8 @@ def hostile_run(tmp_path: Path, count: int, seed: int) -> dict:
     generator = Generator(seed)
     cases = [generator.case() for _ in range(count)]
     log = tmp_path / "router.log"
-    # KV budgets above the largest body's estimate (2 MiB / 4 chars per token), so no
-    # request waits for room it can never get (that is issue 16's immediate 400)
+    # KV budgets above the largest body's estimate (2 MiB / 4 chars per token): the large
+    # cases are served, not refused as larger than any replica (context_length_exceeded)
     emulated = ("--time-scale", "50", "--gpu-tokens", "1000000")
     with emulators(2, *emulated) as urls, router(urls, log=log, **SETTINGS) as base:
         port = int(base.rsplit(":", 1)[1])
