@@ -97,6 +97,8 @@ class Router:
                 await task
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
+        for probe in list(self._probes.values()):  # a hung replica's probe: not waited for
+            probe.cancel()
         await self.client.aclose()
         for pool in self.pools:
             await pool.aclose()
