@@ -4,7 +4,8 @@ Grafana dashboard draws only series that a running router exports.
 
 No Docker engine is needed: `docker compose config` (or Debian's `docker-compose` 1.29) only
 reads the files, and the processes the demo stack runs (`mori emulate`, `mori serve`) are
-started here directly with the compose files' own arguments and environment.
+started here directly with the compose files' own arguments and environment. The same stack
+built and run in Docker: tests/test_deploy_stack.py (slow).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ TAG = "deploy-test"  # MORI_TAG of every image this test builds, removed at the 
 DEMO_SERVICES = ["replica-0", "replica-1", "router", "prometheus"]
 TIME_SCALE = 20  # emulators and replay both run 20x faster than real time
 REPLAY_S = 15
+ADMIN_KEY = "admin-key"
 
 
 def sh(argv: list[str], env: dict[str, str], timeout: float = 600) -> str:
@@ -142,6 +143,11 @@ def demo(compose_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
         "MORI_TICK_S": "0.25",
         "REPLAY_DURATION_S": str(REPLAY_S),
         "REPLAY_CONCURRENCY": "8",
+        # Keys on: a comma-separated list and the admin key, through compose into the router,
+        # and the replay authenticating with one of them.
+        "MORI_API_KEYS": "key-a,key-b",
+        "MORI_ADMIN_KEY": ADMIN_KEY,
+        "REPLAY_API_KEY": "key-b",
     }
     dc = [*compose("demo", f"mori-test-{os.getpid()}", tmp / "empty.env"), "--profile", "replay"]
     try:
@@ -173,7 +179,10 @@ def test_replay_runs_through_the_dockerized_router(demo: dict) -> None:
 def test_router_sees_both_replicas_healthy_with_hints(demo: dict) -> None:
     health = httpx.get(demo["router"] + "/health").json()
     assert health == {"status": "ok", "healthy_replicas": 2}, health
-    listed = httpx.get(demo["router"] + "/v1/replicas").json()["data"]
+    replicas_url = demo["router"] + "/v1/replicas"
+    assert httpx.get(replicas_url, headers={"authorization": "Bearer key-a"}).status_code == 403
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    listed = httpx.get(replicas_url, headers=admin).json()["data"]
     assert {r["url"] for r in listed} == {"http://replica-0:30000", "http://replica-1:30000"}
     for r in listed:
         assert r["healthy"] and r["hints_supported"], r
