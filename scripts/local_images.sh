@@ -6,7 +6,7 @@
 #                     python3 3.11 (+ venv, pip) and curl: stands in for python:3.11-slim
 #   WHEELS_IMAGE      mori-wheels:<hash>                 /wheels: `pip wheel` of this project's
 #                     dependencies and its build backend (FROM scratch, no other files)
-#   PROMETHEUS_IMAGE  mori-prometheus:<debian version>   Debian's prometheus binary, laid out
+#   PROMETHEUS_IMAGE  mori-prometheus:<version>-<hash>   Debian's prometheus binary, laid out
 #                     like prom/prometheus (docker/local/Dockerfile.prometheus)
 #   SGLANG_IMAGE      mori-sglang-standin:0.5.17-<hash>  PYTHON_IMAGE plus the sglang 0.5.17 wheel
 #                     (no torch, no CUDA): stands in for lmsysorg/sglang so that
@@ -46,12 +46,16 @@ short_hash() { sha1sum | cut -c1-10; }
 
 python_image() {
   local tag tarball root
-  tag="mori-python:3.11-$SUITE-$(echo "$SUITE $PACKAGES" | short_hash)"
+  # The hash names the recipe: a change to it (packages, the root's mode) makes a new image.
+  tag="mori-python:3.11-$SUITE-$(echo "$SUITE $PACKAGES root=0755" | short_hash)"
   tarball="$CACHE/rootfs-${tag#*:}.tar"
   if ! have_image "$tag"; then
     if [[ ! -f "$tarball" ]]; then
       command -v debootstrap >/dev/null || (apt-get update -qq && apt-get install -y -qq debootstrap) >&2
       root="$(mktemp -d "$CACHE/rootfs.XXXXXX")"
+      # mktemp's 0700 would become the image's `/`: non-root users (the router's `mori`,
+      # Prometheus's `nobody`) could then run nothing. overlay2 happens to hide it; vfs does not.
+      chmod 755 "$root"
       log "debootstrap $SUITE (minbase + $PACKAGES): a few minutes, once"
       # The mirror: debootstrap's default, or MORI_DEBIAN_MIRROR.
       debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$root" \
@@ -102,7 +106,7 @@ prometheus_image() {
     deb="$(compgen -G "$dir/prometheus_*.deb" | tail -n 1)"
   fi
   version="$(dpkg-deb -f "$deb" Version)"
-  tag="mori-prometheus:${version//[^A-Za-z0-9_.-]/-}"
+  tag="mori-prometheus:${version//[^A-Za-z0-9_.-]/-}-${base##*-}"
   if ! have_image "$tag"; then
     rm -rf "$dir/context" && mkdir -p "$dir/context"
     dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$dir/context" --strip-components=3 ./usr/bin/prometheus
@@ -129,12 +133,29 @@ sglang_standin_image() {
   echo "$tag"
 }
 
+# Older versions of the same images and their cached inputs: removed, so the cache stays one
+# set deep (a re-run after a change rebuilds from what it still needs).
+prune_stale() {
+  local keep=" $* " image path name
+  for image in $(docker image ls --format '{{.Repository}}:{{.Tag}}'); do
+    [[ "$image" =~ ^mori-(python|wheels|prometheus|sglang-standin): ]] || continue
+    [[ "$keep" == *" $image "* ]] || docker rmi "$image" >/dev/null
+  done
+  for path in "$CACHE"/rootfs-*.tar "$CACHE"/wheels-*; do
+    [[ -e "$path" ]] || continue
+    name="${path##*/}"
+    name="${name%.tar}" # rootfs-3.11-bookworm-<hash> or wheels-<hash>: the tag after the dash
+    [[ "$keep" == *"${name#*-}"* ]] || rm -rf "$path"
+  done
+}
+
 docker version --format '{{.Server.Version}}' >/dev/null \
   || { log "no Docker engine answers: eval \"\$(scripts/local_dockerd.sh start)\""; exit 1; }
 PYTHON_IMAGE="$(python_image)"
 WHEELS_IMAGE="$(wheels_image)"
 PROMETHEUS_IMAGE="$(prometheus_image "$PYTHON_IMAGE")"
 SGLANG_IMAGE="$(sglang_standin_image "$PYTHON_IMAGE")"
+prune_stale "$PYTHON_IMAGE" "$WHEELS_IMAGE" "$PROMETHEUS_IMAGE" "$SGLANG_IMAGE"
 cat >"$CACHE/images.env" <<EOF
 PYTHON_IMAGE=$PYTHON_IMAGE
 WHEELS_IMAGE=$WHEELS_IMAGE

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,8 @@ def sh(argv: list[str], env: dict[str, str], timeout: float = 600) -> str:
 
 
 def engine_answers(env: dict[str, str]) -> bool:
+    if shutil.which("docker") is None:  # local_dockerd.sh installs docker.io, CLI included
+        return False
     probe = ["docker", "version", "--format", "{{.Server.Version}}"]
     return subprocess.run(probe, env=env, capture_output=True).returncode == 0
 
@@ -112,7 +115,7 @@ def replay_result(dc: list[str], env: dict[str, str], into: Path) -> tuple[int, 
     return int(code), json.loads((into / "replay.json").read_text())
 
 
-def wait_for(check: Any, timeout_s: float, what: str) -> Any:
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Poll check() (None or an exception: not yet) until it returns a value."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
