@@ -20,6 +20,7 @@ from engine_patches.plugin import SUPPORTED
 # flag -> value MORI needs (None: a switch). A conflicting user value is an error.
 REQUIRED = {
     "--enable-hierarchical-cache": None,
+    "--enable-cache-report": None,  # cached_tokens in usage: the router counts hits from it
     "--hicache-write-policy": "write_through",
     "--radix-eviction-policy": "mori",
 }

@@ -21,11 +21,13 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router.accounting import (
+    CACHE_DETAILS_FLAG,
     AnthropicStream,
     OpenAIStream,
     Usage,
     anthropic_body,
     openai_body,
+    without_sglext,
 )
 from router.controller import Router
 from router.engines import Replica
@@ -172,6 +174,7 @@ class Exchange(Response):
         body["session_id"] = self.call.program_id
         if not self.call.anthropic:
             body["rid"] = self.rid
+            body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
             if self.call.stream:
                 options = body.get("stream_options")
                 body["stream_options"] = {**(options or {}), "include_usage": True}
@@ -204,6 +207,8 @@ class Exchange(Response):
         except httpx.TransportError as e:
             raise _Retry(f"{type(e).__name__} while reading the answer") from None
         usage = (anthropic_body if self.call.anthropic else openai_body)(content)
+        if not self.call.anthropic and not self._client_wants_details():
+            content = without_sglext(content)
         now = self.router.clock()
         self.router.metrics.ttft.labels(replica.url).observe(now - self.call.arrival)
         ctype = upstream.headers.get("content-type", "application/json").encode()
@@ -212,8 +217,10 @@ class Exchange(Response):
         return usage
 
     async def _relay_stream(self, upstream: httpx.Response, replica: Replica, send: Send) -> Usage:
-        parser = (AnthropicStream if self.call.anthropic else OpenAIStream)(
-            self.call.client_wants_usage
+        parser = (
+            AnthropicStream(self.call.client_wants_usage)
+            if self.call.anthropic
+            else OpenAIStream(self.call.client_wants_usage, self._client_wants_details())
         )
         chunks = upstream.aiter_raw()
         try:
@@ -264,6 +271,10 @@ class Exchange(Response):
             r.learn_tokens(pid, self.call.prompt_chars, usage.prompt_tokens)
         if usage.completion_tokens is not None:
             r.metrics.output_tokens.labels(replica.url).inc(usage.completion_tokens)
+        r.metrics.record_hits(replica.url, usage)
+
+    def _client_wants_details(self) -> bool:
+        return bool(self.call.body.get(CACHE_DETAILS_FLAG))
 
     # sending ---------------------------------------------------------------------------
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

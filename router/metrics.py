@@ -15,11 +15,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from router.accounting import Usage
 from router.policy.base import Policy
 from router.policy.types import Move, Placement, Tier
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
+HIT_SOURCES = ("device", "host", "miss")
 
 
 class RouterMetrics:
@@ -81,6 +83,12 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "mori_prompt_tokens", "prompt tokens served", ["replica"], registry=r
         )
+        self.prompt_cache_tokens = Counter(
+            "mori_prompt_cache_tokens",
+            "prompt tokens by where the engine found them",
+            ["replica", "source"],
+            registry=r,
+        )
         self.hint_pushes = Counter(
             "mori_hint_pushes", "hint batches pushed", ["replica", "result"], registry=r
         )
@@ -110,6 +118,14 @@ class RouterMetrics:
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
             family.labels(replica)
+        for source in HIT_SOURCES:
+            self.prompt_cache_tokens.labels(replica, source)
+
+    def record_hits(self, replica: str, usage: Usage) -> None:
+        """Count one call's prompt tokens by where the engine found them."""
+        hits = usage.hits()
+        for source, tokens in hits._asdict().items() if hits else ():
+            self.prompt_cache_tokens.labels(replica, source).inc(tokens)
 
     def record_moves(self, moves: list[Move]) -> None:
         for m in moves:

@@ -20,7 +20,7 @@ DEPS=(
   aiohttp starlette fastapi uvicorn uvloop python-multipart setproctitle einops jsonschema
   "soundfile==0.13.1" "transformers==5.12.1" "tokenizers==0.22.2" sentencepiece dill gguf
   "compressed-tensors==0.18.0" "openai==2.6.1" partial-json-parser "xgrammar==0.2.1" triton
-  "torchvision==0.28.0" httpx
+  "torchvision==0.28.0" httpx prometheus-client
 )
 WANT="sglang=$SGLANG_VERSION deps=$(printf '%s ' "${DEPS[@]}" | sha1sum | cut -c1-12) repo=$REPO"
 STAMP="$VENV/.mori-installed"
