@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from router.sim.presets import PRESETS
 
 ENV_PREFIX = "MORI_"
+# Timers given in trace seconds: `time_scale` divides them (and the KV copy time), so a
+# router in front of engines or a replay running X times faster than real time keeps pace.
+SCALED_TIMERS = ("tick_s", "hint_sync_s", "lease_s", "gate_timeout_s")
 _DEFAULT_PRESET = PRESETS["h100-8b"]  # H100 + Llama-3.1-8B: the replicas MORI was built for
 
 
@@ -73,11 +76,13 @@ class RouterConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
     admin_key: str | None = None
     log_level: str = "info"
+    time_scale: float = Field(default=1.0, gt=0)  # divides SCALED_TIMERS (set at load)
 
     @property
     def load_s_per_token(self) -> float:
-        """Seconds to copy one token's KV one way over PCIe (as the simulator's preset)."""
-        return self.kv_bytes_per_token / (self.pcie_gbps * 1e9)
+        """Wall seconds to copy one token's KV one way over PCIe (as the simulator's preset,
+        divided by the time scale)."""
+        return self.kv_bytes_per_token / (self.pcie_gbps * 1e9) / self.time_scale
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -94,6 +99,13 @@ class RouterConfig(BaseModel):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
+
+    @model_validator(mode="after")
+    def _scale_timers(self) -> RouterConfig:
+        """The timers were given in trace seconds; from here on they are wall seconds."""
+        for name in SCALED_TIMERS if self.time_scale != 1 else ():
+            setattr(self, name, getattr(self, name) / self.time_scale)
+        return self
 
     @model_validator(mode="after")
     def _distinct_replicas(self) -> RouterConfig:

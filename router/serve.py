@@ -20,6 +20,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--policy", help="placement policy: mori, mori+predict, ta, ta+o, smg")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        help="divide the router's timers (tick, hint sync, lease, gate timeout) by this: "
+        "match `mori replay --time-scale` and the engines' speed-up (default 1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         "port": args.port,
         "policy": args.policy,
         "log_level": args.log_level,
+        "time_scale": args.time_scale,
     }
     try:
         config = load_config(args.config, overrides)
