@@ -19,7 +19,7 @@ from router.sim.presets import PRESETS
 ENV_PREFIX = "MORI_"
 # Timers given in trace seconds: `time_scale` divides them (and the KV copy time), so a
 # router in front of engines or a replay running X times faster than real time keeps pace.
-SCALED_TIMERS = ("tick_s", "hint_sync_s", "lease_s", "gate_timeout_s")
+SCALED_TIMERS = ("tick_s", "hint_sync_s", "lease_s", "gate_timeout_s", "reconcile_s")
 _DEFAULT_PRESET = PRESETS["h100-8b"]  # H100 + Llama-3.1-8B: the replicas MORI was built for
 
 
@@ -65,6 +65,7 @@ class RouterConfig(BaseModel):
     gate_timeout_s: float = Field(default=300.0, gt=0)
     hint_sync_s: float = Field(default=30.0, gt=0)
     capacity_refresh_s: float = Field(default=60.0, gt=0)
+    reconcile_s: float = Field(default=30.0, gt=0)  # tiers checked against /mori/residency
     host_ratio: float = Field(default=2.0, ge=0)  # host tier = ratio x GPU when unreported
     health_interval_s: float = Field(default=5.0, gt=0)
     health_timeout_s: float = Field(default=5.0, gt=0)

@@ -22,6 +22,7 @@ from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.types import Hint, Move, ReplicaCapacity
+from router.reconcile import parse_residency, reconcile
 
 log = logging.getLogger("mori.router")
 
@@ -83,10 +84,11 @@ class Router:
                 self.apply(self.policy.set_healthy(replica.url, False, now))
             else:
                 self.policy.add_replica(replica.url, result)
-        self.metrics.refresh_tiers(self.policy)
         loops = [self._tick_loop, self._capacity_loop, self._health_loop]
         if self.policy.sends_hints:
-            loops.append(self._hint_loop)
+            await self.reconcile()  # before the first full sync: adopt what the engines hold
+            loops += [self._hint_loop, self._reconcile_loop]
+        self.metrics.refresh_tiers(self.policy)
         self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
@@ -249,6 +251,34 @@ class Router:
             replica.failures += 1
             if healthy and replica.failures >= self.config.health_failures:
                 self.drain(replica, f"{replica.failures} failed health checks")
+
+    # residency -------------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        await self._every(self.config.reconcile_s, self.reconcile)
+
+    async def reconcile(self) -> None:
+        """Check the tiers against every healthy replica's `/mori/residency`
+        (router/reconcile.py); a replica that does not answer is left out this time."""
+        urls = [u for u in self.replicas if self.policy.tiers.healthy.get(u)]
+        docs = await asyncio.gather(
+            *(self.replicas[u].fetch_residency() for u in urls), return_exceptions=True
+        )
+        views = {
+            url: parse_residency(url, doc)
+            for url, doc in zip(urls, docs, strict=True)
+            if not isinstance(doc, BaseException)
+        }
+        outcome = reconcile(self.policy, views, self.clock())
+        if outcome.adopted or outcome.lost:
+            log.warning(
+                "residency: adopted %d programs the engines hold, %d CPU-tier programs "
+                "lost their host copy",
+                len(outcome.adopted),
+                len(outcome.lost),
+            )
+            self.metrics.reconciled.labels("adopted").inc(len(outcome.adopted))
+            self.metrics.reconciled.labels("lost").inc(len(outcome.lost))
+            self.metrics.refresh_tiers(self.policy)
 
     # hints ---------------------------------------------------------------------------
     async def _hint_loop(self) -> None:

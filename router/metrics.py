@@ -98,6 +98,12 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.reconciled = Counter(
+            "mori_reconciled_programs",
+            "programs whose tier was corrected from the engines' residency",
+            ["kind"],
+            registry=r,
+        )
         self.replica_healthy = Gauge(
             "mori_replica_healthy", "1 healthy, 0 drained", ["replica"], registry=r
         )
