@@ -64,6 +64,7 @@ class RouterConfig(BaseModel):
     pcie_gbps: float = Field(default=_DEFAULT_PRESET.pcie_bytes_s / 1e9, gt=0)  # GB/s, one way
     gate_timeout_s: float = Field(default=300.0, gt=0)
     hint_sync_s: float = Field(default=30.0, gt=0)
+    hint_ack_timeout_s: float = Field(default=1.0, ge=0)  # a promoted request waits for its hint
     capacity_refresh_s: float = Field(default=60.0, gt=0)
     reconcile_s: float = Field(default=30.0, gt=0)  # tiers checked against /mori/residency
     host_ratio: float = Field(default=2.0, ge=0)  # host tier = ratio x GPU when unreported

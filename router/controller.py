@@ -21,7 +21,7 @@ from router.engines import HintsUnsupported, Replica, make_replicas
 from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.policy import Policy, PolicyConfig, make_policy
-from router.policy.types import Hint, Move, ReplicaCapacity
+from router.policy.types import Hint, Move, ReplicaCapacity, Tier
 from router.reconcile import parse_residency, reconcile
 
 log = logging.getLogger("mori.router")
@@ -60,6 +60,11 @@ class Router:
         self.in_flight = 0
         self._chars_per_token: dict[str, float] = {}
         self._hints_dirty = asyncio.Event()
+        # Busy-hint acknowledgement: hint push rounds started / finished, and the round each
+        # freshly promoted program waits for before its request is forwarded.
+        self._rounds_started = self._rounds_done = 0
+        self._rounds = asyncio.Condition()
+        self._ack_round: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._next_wakeup = getattr(self.policy, "next_wakeup", None)  # predictive only
@@ -119,6 +124,9 @@ class Router:
             self.metrics.record_moves(moves)
             if self.policy.sends_hints:
                 self._hints_dirty.set()
+                for m in moves:
+                    if m.to_gpu and m.src.tier is Tier.CPU:  # its busy hint loads KV back
+                        self._ack_round[m.program_id] = self._rounds_started + 1
         self.gate.wake_all()
         self._schedule_wakeup()
 
@@ -297,7 +305,31 @@ class Router:
             except Exception:
                 log.exception("hint push failed")
 
+    async def hint_acked(self, program_id: str) -> None:
+        """Wait until the hint push that carries `program_id`'s promotion (its `busy` hint)
+        has been answered, so the engine loads its KV back before the request arrives
+        rather than racing it; bounded by `hint_ack_timeout_s` (a slow engine delays the
+        hint, never the request, for longer)."""
+        needed = self._ack_round.pop(program_id, None)
+        if needed is None or self._rounds_done >= needed:
+            return
+        started = self.clock()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.hint_ack_timeout_s), self._rounds:
+                await self._rounds.wait_for(lambda: self._rounds_done >= needed)
+        self.metrics.hint_ack_wait.observe(self.clock() - started)
+
     async def sync_hints(self, full: bool) -> None:
+        self._rounds_started += 1
+        round_no = self._rounds_started
+        try:
+            await self._sync_hints(full)
+        finally:
+            async with self._rounds:
+                self._rounds_done = max(self._rounds_done, round_no)
+                self._rounds.notify_all()
+
+    async def _sync_hints(self, full: bool) -> None:
         self._hints_dirty.clear()
         batches = self.policy.hints() if full else self.policy.hint_updates()
         if full:

@@ -142,6 +142,7 @@ class Exchange(Response):
             self.replica = replica
             usage = Usage()
             try:
+                await r.hint_acked(pid)  # its busy hint (load-back) reaches the engine first
                 usage = await self._forward(replica, send)
                 return
             except _Retry as e:

@@ -56,6 +56,12 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.hint_ack_wait = Histogram(
+            "mori_hint_ack_wait_seconds",
+            "time a promoted request waited for its busy hint to be acknowledged",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.gate_waiting = Gauge("mori_gate_waiting", "requests held by the gate now", registry=r)
         self.gate_timeouts = Counter(
             "mori_gate_timeouts", "gated requests answered 503", registry=r
@@ -104,6 +110,8 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        for kind in ("adopted", "lost"):
+            self.reconciled.labels(kind)
         self.replica_healthy = Gauge(
             "mori_replica_healthy", "1 healthy, 0 drained", ["replica"], registry=r
         )

@@ -117,9 +117,19 @@ class ScriptedReplica:
     """A minimal engine double for faults the emulator does not stage: hint endpoint
     errors, and recording the aborts the router sends."""
 
-    def __init__(self, hints_status: int = 200, tokens: int = 3, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        hints_status: int = 200,
+        tokens: int = 3,
+        delay_s: float = 0.0,
+        hint_delay_s: float = 0.0,
+        count_prompt: bool = False,
+    ) -> None:
         self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
+        self.hint_delay_s = hint_delay_s
+        self.count_prompt = count_prompt  # prompt tokens = 4 characters each, else always 5
         self.hint_calls = 0
+        self.events: list[tuple[str, Any]] = []  # ("hints", batch) when answered, ("request", id)
         self.aborts: list[str] = []
         self.app = Starlette(
             routes=[
@@ -140,6 +150,8 @@ class ScriptedReplica:
         if self.hints_status != 200:
             return JSONResponse({"detail": "nope"}, status_code=self.hints_status)
         body = await request.json()
+        await asyncio.sleep(self.hint_delay_s)
+        self.events.append(("hints", body["hints"]))
         return JSONResponse({"epoch": body["epoch"], "stale": False, "residency": {}})
 
     async def abort(self, request: Request) -> Response:
@@ -158,10 +170,12 @@ class ScriptedReplica:
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
+        self.events.append(("request", body.get("session_id")))
+        prompt = len(json.dumps(body.get("messages"))) // 4 if self.count_prompt else 5
         usage = {
-            "prompt_tokens": 5,
+            "prompt_tokens": prompt,
             "completion_tokens": self.tokens,
-            "total_tokens": 5 + self.tokens,
+            "total_tokens": prompt + self.tokens,
         }
         if not body.get("stream"):
             message = {"role": "assistant", "content": "ok"}
