@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
-[[ "${MORI_SKIP_SGLANG:-0}" == 1 ]] || scripts/install_sglang_cpu.sh  # real engine for -m sglang tests
+# The real engine for the -m sglang tests: MORI_SGLANG_VERSION, default the newest supported line.
+[[ "${MORI_SKIP_SGLANG:-0}" == 1 ]] || scripts/install_sglang_cpu.sh
 # docker-compose 1.29 (Debian) validates the compose files in tests/test_deploy.py; no engine needed.
 command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
   || { (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null 2>&1 \

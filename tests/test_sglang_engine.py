@@ -28,9 +28,9 @@ from tests.sglang.server import (
     REPO,
     Server,
     build_tiny_model,
-    patched_server,
     patched_servers,
     server_env,
+    tiny_engine,
 )
 
 pytestmark = [
@@ -58,11 +58,7 @@ def prompt_of(program: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not PYTHON.exists():
-        pytest.fail(f"SGLang venv missing at {PYTHON}: run scripts/install_sglang_cpu.sh")
-    work = tmp_path_factory.mktemp("sglang")
-    model = build_tiny_model(work / "tiny")
-    with patched_server(model, work, SERVER_FLAGS) as srv:
+    with tiny_engine(tmp_path_factory.mktemp("sglang"), SERVER_FLAGS) as srv:
         yield srv
 
 
@@ -127,7 +123,9 @@ def test_hint_endpoint_validates_and_is_idempotent(server: Server):
     assert first == hints(server, 1, {"zz": "inactive"})
     assert first["residency"] == {"zz": {"device_tokens": 0, "host_tokens": 0}}
     assert hints(server, 0, {"zz": "busy"})["stale"] is True
-    assert residency(server)["programs"]["zz"]["hint"] == "inactive"
+    assert "zz" not in residency(server)["programs"]  # inactive, holds nothing: forgotten
+    hints(server, 2, {"zz": "idle"})
+    assert residency(server)["programs"]["zz"]["hint"] == "idle"
 
 
 def test_typed_eviction_and_offload_under_pressure(server: Server, client: OpenAI):
@@ -177,7 +175,8 @@ def test_residency_agrees_with_cached_tokens_details(server: Server):
     """For programs in every state, the next request's device/host hit equals what
     /mori/residency said just before (one token is always recomputed)."""
     for p in names(0, 20):
-        before = residency(server)["programs"][p]
+        nothing = {"device_tokens": 0, "host_tokens": 0}  # an evicted inactive: forgotten
+        before = residency(server)["programs"].get(p, nothing)
         path = max(before["device_tokens"], before["host_tokens"])
         meta = generate(server, p)["meta_info"]
         details = meta["cached_tokens_details"] or {"device": 0, "host": 0}

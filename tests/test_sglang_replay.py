@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.replay.client import Replay, ReplayConfig
 from router.replay.trace import TraceProgram, TraceStep, load_trace
 from tests.router_harness import metric, router
-from tests.sglang.server import PYTHON, REPO, Server, build_tiny_model, patched_server
+from tests.sglang.server import REPO, Server, tiny_engine
 
 pytestmark = [
     pytest.mark.sglang,
@@ -78,10 +78,7 @@ def router_counts(base: str, prompt_tokens: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not PYTHON.exists():
-        pytest.fail(f"SGLang venv missing at {PYTHON}: run scripts/install_sglang_cpu.sh")
-    work = tmp_path_factory.mktemp("sglang-replay")
-    with patched_server(build_tiny_model(work / "tiny"), work, FLAGS) as server:
+    with tiny_engine(tmp_path_factory.mktemp("sglang-replay"), FLAGS) as server:
         yield server
 
 

@@ -1,8 +1,10 @@
-"""TEST SCAFFOLDING: start a MORI-patched SGLang 0.5.17 server on CPU for the tests.
+"""TEST SCAFFOLDING: start a MORI-patched SGLang server on CPU for the tests.
 
-The venv comes from scripts/install_sglang_cpu.sh (MORI_SGLANG_VENV, default
-~/.cache/mori/sglang-0.5.17). The CPU shims (shim/) go on the server's PYTHONPATH only. The log
-goes to a file (SGLang is chatty; a pipe nobody reads would block it) and is shown on failure.
+The venv comes from scripts/install_sglang_cpu.sh: the version in MORI_SGLANG_VERSION (default:
+the newest supported), its path from the installer itself (content-addressed), or MORI_SGLANG_VENV.
+The venv carries the CPU shim (shim/); this checkout goes on the server's PYTHONPATH, so the
+plugin entry point loads this checkout's engine_patches. The log goes to a file (SGLang is chatty;
+a pipe nobody reads would block it) and is shown on failure.
 """
 
 from __future__ import annotations
@@ -15,12 +17,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.servers import free_port, stop
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VENV = Path(os.environ.get("MORI_SGLANG_VENV", Path.home() / ".cache/mori/sglang-0.5.17"))
+INSTALLER = REPO / "scripts/install_sglang_cpu.sh"
+VERSION_VAR = "MORI_SGLANG_VERSION"
+
+
+def venv_path() -> Path:
+    """The venv the installer makes for MORI_SGLANG_VERSION (it prints it without installing)."""
+    if os.environ.get("MORI_SGLANG_VENV"):
+        return Path(os.environ["MORI_SGLANG_VENV"])
+    argv = ["bash", str(INSTALLER), "--print-venv", *filter(None, [os.environ.get(VERSION_VAR)])]
+    return Path(subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip())
+
+
+VENV = venv_path()
 PYTHON = VENV / "bin" / "python"
 
 # Small pools so a handful of short programs already overflow the device tier.
@@ -42,7 +57,7 @@ def server_env() -> dict[str, str]:
         "SGLANG_USE_CPU_ENGINE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": f"{HERE / 'shim'}{os.pathsep}{REPO}",
+        "PYTHONPATH": str(REPO),
     }
 
 
@@ -97,6 +112,16 @@ def patched_servers(
 @contextlib.contextmanager
 def patched_server(model: Path, log_dir: Path, extra: list[str]) -> Iterator[Server]:
     with patched_servers(1, model, log_dir, extra) as (server,):
+        yield server
+
+
+@contextlib.contextmanager
+def tiny_engine(work: Path, flags: list[str]) -> Iterator[Server]:
+    """One patched server on the tiny model built in `work`; fails (never skips) when the
+    SGLang venv is missing."""
+    if not PYTHON.exists():
+        pytest.fail(f"SGLang venv missing at {VENV}: run scripts/install_sglang_cpu.sh")
+    with patched_server(build_tiny_model(work / "tiny"), work, flags) as server:
         yield server
 
 
