@@ -83,17 +83,26 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
+LAUNCHER = ["-m", "engine_patches.launch"]  # mori-sglang
+
+
 @contextlib.contextmanager
 def patched_servers(
-    count: int, model: Path, log_dir: Path, extra: list[str], timeout_s: float = 240.0
+    count: int,
+    model: Path,
+    log_dir: Path,
+    extra: list[str],
+    timeout_s: float = 240.0,
+    entry: list[str] = LAUNCHER,
 ) -> Iterator[list[Server]]:
-    """`count` patched servers started side by side (start-up is mostly imports: overlap it)."""
+    """`count` patched servers started side by side (start-up is mostly imports: overlap it);
+    `entry` the module to run (another one: `sglang.launch_server` without the launcher)."""
     servers: list[Server] = []
     try:
         for _ in range(count):
             port = free_port()
             log = log_dir / f"sglang-{port}.log"
-            argv = [str(PYTHON), "-m", "engine_patches.launch", "--model-path", str(model)]
+            argv = [str(PYTHON), *entry, "--model-path", str(model)]
             argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
             with log.open("wb") as out:
                 proc = subprocess.Popen(
@@ -110,8 +119,8 @@ def patched_servers(
 
 
 @contextlib.contextmanager
-def patched_server(model: Path, log_dir: Path, extra: list[str]) -> Iterator[Server]:
-    with patched_servers(1, model, log_dir, extra) as (server,):
+def launch(entry: list[str], model: Path, log_dir: Path, extra: list[str]) -> Iterator[Server]:
+    with patched_servers(1, model, log_dir, extra, entry=entry) as (server,):
         yield server
 
 
@@ -121,7 +130,7 @@ def tiny_engine(work: Path, flags: list[str]) -> Iterator[Server]:
     SGLang venv is missing."""
     if not PYTHON.exists():
         pytest.fail(f"SGLang venv missing at {VENV}: run scripts/install_sglang_cpu.sh")
-    with patched_server(build_tiny_model(work / "tiny"), work, flags) as server:
+    with launch(LAUNCHER, build_tiny_model(work / "tiny"), work, flags) as server:
         yield server
 
 
