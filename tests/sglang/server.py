@@ -94,6 +94,7 @@ def patched_servers(
     extra: list[str],
     timeout_s: float = 240.0,
     entry: list[str] = LAUNCHER,
+    env: dict[str, str] | None = None,
 ) -> Iterator[list[Server]]:
     """`count` patched servers started side by side (start-up is mostly imports: overlap it);
     `entry` the module to run (another one: `sglang.launch_server` without the launcher)."""
@@ -104,9 +105,10 @@ def patched_servers(
             log = log_dir / f"sglang-{port}.log"
             argv = [str(PYTHON), *entry, "--model-path", str(model)]
             argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
+            full_env = {**server_env(), **(env or {})}
             with log.open("wb") as out:
                 proc = subprocess.Popen(
-                    argv, env=server_env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                    argv, env=full_env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )  # fmt: skip
             servers.append(Server(proc, port, log))
@@ -125,12 +127,15 @@ def launch(entry: list[str], model: Path, log_dir: Path, extra: list[str]) -> It
 
 
 @contextlib.contextmanager
-def tiny_engine(work: Path, flags: list[str]) -> Iterator[Server]:
+def tiny_engine(
+    work: Path, flags: list[str], env: dict[str, str] | None = None
+) -> Iterator[Server]:
     """One patched server on the tiny model built in `work`; fails (never skips) when the
     SGLang venv is missing."""
     if not PYTHON.exists():
         pytest.fail(f"SGLang venv missing at {VENV}: run scripts/install_sglang_cpu.sh")
-    with launch(LAUNCHER, build_tiny_model(work / "tiny"), work, flags) as server:
+    model = build_tiny_model(work / "tiny")
+    with patched_servers(1, model, work, flags, env=env) as (server,):
         yield server
 
 
