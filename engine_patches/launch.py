@@ -39,8 +39,10 @@ def check_sglang() -> None:
         version = sglang_version()
     except importlib.metadata.PackageNotFoundError:
         raise LaunchError(
-            f"sglang is not installed: pip install sglang=={SUPPORTED[-1]} (on a CPU machine: "
-            "scripts/install_sglang_cpu.sh, then run this with the venv's python it prints)"
+            f"sglang is not installed here: pip install sglang=={SUPPORTED[-1]}; on a CPU "
+            "machine, from this checkout: scripts/install_sglang_cpu.sh && "
+            "SGLANG_USE_CPU_ENGINE=1 $(scripts/install_sglang_cpu.sh --print-venv)/bin/python "
+            "-m engine_patches.launch --device cpu ARGS"
         ) from None
     module = module_for(version)
     if module is None:
