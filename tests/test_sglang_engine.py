@@ -10,7 +10,6 @@ engine's own view comes from /generate's cached_tokens_details.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import time
@@ -25,6 +24,7 @@ from tests.router_harness import router
 from tests.sglang.server import (
     HERE,
     PYTHON,
+    REAL_ENGINE,
     REPO,
     Server,
     build_tiny_model,
@@ -33,12 +33,7 @@ from tests.sglang.server import (
     tiny_engine,
 )
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
-    ),
-]
+pytestmark = REAL_ENGINE
 
 DEVICE_TOKENS = 256  # --max-total-tokens: a few programs already overflow it
 PROMPT_LEN = 24

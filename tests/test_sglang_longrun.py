@@ -9,7 +9,6 @@ matched it (and every eviction decision would walk that set).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from collections.abc import Iterator
 
@@ -17,14 +16,9 @@ import httpx
 import pytest
 
 from engine_patches.residency import MAX_NODE_PROGRAMS
-from tests.sglang.server import Server, tiny_engine
+from tests.sglang.server import REAL_ENGINE, Server, tiny_engine
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
-    ),
-]
+pytestmark = REAL_ENGINE
 
 PROGRAMS = 2000
 BATCH = 100  # programs per round; each round ends with their `inactive` hints

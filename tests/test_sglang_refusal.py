@@ -5,7 +5,6 @@ whose cache the patch cannot attach to stops at start with one line."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from tests.servers import free_port
 from tests.sglang.server import (
     CPU_FLAGS,
     PYTHON,
+    REAL_ENGINE,
     REPO,
     Server,
     build_tiny_model,
@@ -26,12 +26,7 @@ from tests.sglang.server import (
     server_env,
 )
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
-    ),
-]
+pytestmark = REAL_ENGINE
 
 
 @pytest.fixture(scope="module")

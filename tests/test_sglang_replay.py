@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,14 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.replay.client import Replay, ReplayConfig
 from router.replay.trace import TraceProgram, TraceStep, load_trace
 from tests.router_harness import metric, router
-from tests.sglang.server import REPO, Server, tiny_engine
+from tests.sglang.server import REAL_ENGINE, REPO, Server, tiny_engine
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
-    ),
-]
+pytestmark = REAL_ENGINE
 
 SOURCES = ("device", "host", "miss")
 # A 640-token device pool and three programs of up to ~470 tokens in flight: the router's

@@ -5,21 +5,15 @@ whose tree diverged would hang the next collective)."""
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.sglang.server import Server, tiny_engine
+from tests.sglang.server import REAL_ENGINE, Server, tiny_engine
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
-    ),
-]
+pytestmark = REAL_ENGINE
 
 PROMPT = 24
 FLAGS = ["--tp", "2", "--max-total-tokens", "256", "--hicache-ratio", "2"]

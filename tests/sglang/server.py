@@ -25,6 +25,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 INSTALLER = REPO / "scripts/install_sglang_cpu.sh"
 VERSION_VAR = "MORI_SGLANG_VERSION"
+# Every real-engine test module: `pytestmark = REAL_ENGINE`.
+REAL_ENGINE = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(
+        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
+    ),
+]
 
 
 def venv_path() -> Path:
