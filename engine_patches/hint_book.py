@@ -83,6 +83,14 @@ class HintBook:
         self.types.update(changed)
         return Applied(stale=False, changed=changed)
 
+    def request_type(self, program: str, hint: Hint, epoch: int) -> bool:
+        """A type carried on a request (`kv_hints`): taken unless a batch with a higher epoch
+        already came; True when it changed the program's type."""
+        if epoch < self.epoch or self.types.get(program) is hint:
+            return False
+        self.types[program] = hint
+        return True
+
     def forget_ended(self, holds: Callable[[str], bool]) -> int:
         """Drop inactive programs that hold no KV any more (ended, evicted): the book then
         stays as large as what the engine holds, not as every program it was ever told of.

@@ -11,7 +11,8 @@ SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=mori, and which
 - marks a node dirty whenever the tree records a KV store or removal on either tier (its
   KV-event recorder sees every tier change, enabled or not), for exact residency;
 - ranks eviction victims with the "mori" strategy (registered like SGLang's own `priority`
-  strategy; the Rust core accepts only built-in policies, the Python core any).
+  strategy; the Rust core accepts only built-in policies, the Python core any);
+- takes `mori.program_type` actions from a request's `kv_hints` envelope (kv_actions.py).
 
 Everything else (control path, routes, busy-first, typed offload and load-back plans) is the
 shared glue in engine_patches/sglang_common.py.
@@ -23,6 +24,7 @@ import functools
 from typing import Any
 
 from engine_patches import sglang_common as common
+from engine_patches.kv_actions import program_types
 from engine_patches.sglang_common import MoriEngine, key_path, length
 
 SGLANG_VERSION = "0.5.23"
@@ -132,7 +134,10 @@ def _tree_core_class() -> type:
 
         def match_prefix(self, params: Any) -> Any:
             result = super().match_prefix(params)
-            program = getattr(getattr(params, "req", None), "session_id", None)
+            req = getattr(params, "req", None)
+            program = getattr(req, "session_id", None)
+            for action in program_types(getattr(req, "kv_hints", None)):
+                ENGINE.book.request_type(action.program, action.hint, action.epoch)
             if program and ENGINE.cache is not None and ENGINE.cache.tree_core is self:
                 ENGINE.stamp_up(self.node_by_id(result.best_match_node), program)
                 ENGINE.stamp_up(self.node_by_id(result.last_device_node), program)

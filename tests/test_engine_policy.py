@@ -178,6 +178,31 @@ def test_a_shared_node_keeps_its_most_recent_users_only():
     assert led.size() == {"nodes": 1, "programs": MAX_NODE_PROGRAMS, "widest_node": 16}
 
 
+def test_kv_hints_program_type_actions_are_read_and_respect_epochs():
+    from types import SimpleNamespace as NS
+
+    from engine_patches.kv_actions import program_types
+
+    def action(kind, version="1", **payload):
+        return NS(action_id="a", action_type=kind, action_version=version, payload=payload)
+
+    envelope = NS(actions=[
+        action("mori.program_type", program="p", type="idle", epoch=7),
+        action("mori.program_type", version="2", program="p", type="busy", epoch=9),
+        action("sglang.retain", program="p"),
+        action("mori.program_type", program="q", type="hot", epoch=7),
+        action("mori.program_type", program="q", type="busy", epoch=True),
+    ])  # fmt: skip
+    (only,) = program_types(envelope)
+    assert (only.program, only.hint, only.epoch) == ("p", D, 7)
+    assert list(program_types(None)) == []
+    book = HintBook()
+    book.apply(HintBatch(8, {"p": B}))
+    assert not book.request_type("p", D, 7)  # older than the last batch: ignored
+    assert book.request_type("p", D, 8) and book.hint("p") is D
+    assert not book.request_type("p", D, 9)  # no change
+
+
 def test_hint_book_forgets_ended_programs_that_hold_nothing():
     book = HintBook()
     book.apply(HintBatch(1, {f"p{i}": X for i in range(1000)} | {"held": X, "live": B}))

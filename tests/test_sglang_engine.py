@@ -28,6 +28,7 @@ from tests.sglang.server import (
     REPO,
     Server,
     build_tiny_model,
+    installed_version,
     patched_servers,
     server_env,
     tiny_engine,
@@ -237,3 +238,28 @@ def test_busy_first_admission_on_the_real_schedule_policy():
         env=server_env(), cwd=REPO, capture_output=True, text=True, timeout=180, check=True,
     )  # fmt: skip
     assert json.loads(out.stdout.splitlines()[-1]) == ["b1", None, "b2", "i1", "i2", "x1"]
+
+
+def test_kv_hints_program_type_action_sets_the_type(server: Server):
+    """0.5.23 carries the versioned `kv_hints` envelope on /generate: the plugin takes MORI's
+    `mori.program_type` action from it (docs/hint-protocol.md); others are ignored."""
+    if installed_version() == "0.5.17":
+        pytest.skip("sglang 0.5.17 has no kv_hints envelope")
+    action = {"action_id": "a1", "action_type": "mori.program_type", "action_version": "1"}
+    envelope = {
+        "protocol_version": "1",
+        "message_id": "m1",
+        "actions": [
+            {**action, "payload": {"program": "kv1", "type": "idle", "epoch": 10**15}},
+            {**action, "action_type": "other.retain", "payload": {"program": "kv1"}},
+        ],
+    }
+    body = {
+        "input_ids": prompt_of("p40"),
+        "session_id": "kv1",
+        "kv_hints": envelope,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+    }
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert residency(server)["programs"]["kv1"]["hint"] == "idle"

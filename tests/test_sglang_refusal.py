@@ -22,6 +22,7 @@ from tests.sglang.server import (
     REPO,
     Server,
     build_tiny_model,
+    installed_version,
     launch,
     server_env,
 )
@@ -66,10 +67,7 @@ def test_plain_sglang_answers_hints_unsupported_and_the_router_serves_through(pl
 def test_mori_sglang_refuses_a_cache_it_cannot_hint(model: Path):
     """0.5.17 builds UnifiedRadixCache (as it does for hybrid and DSA models) when told to;
     the patch hooks HiRadixCache only, so the server must not start."""
-    version = subprocess.run(
-        [str(PYTHON), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    version = installed_version()
     if version != "0.5.17":
         pytest.skip(f"sglang {version}: every full-attention model takes the patched tree core")
     argv = [str(PYTHON), "-m", "engine_patches.launch", "--model-path", str(model), *CPU_FLAGS]

@@ -10,6 +10,7 @@ a pipe nobody reads would block it) and is shown on failure.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import time
@@ -56,6 +57,14 @@ CPU_FLAGS = [
     "--hicache-mem-layout", "layer_first",
     "--skip-server-warmup",
 ]  # fmt: skip
+
+
+@functools.cache
+def installed_version() -> str:
+    """The SGLang version in the test venv."""
+    probe = "import importlib.metadata as m; print(m.version('sglang'))"
+    done = subprocess.run([str(PYTHON), "-c", probe], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
 
 def server_env() -> dict[str, str]:
