@@ -22,7 +22,8 @@ from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.outliers import Outliers
 from router.policy import Policy, make_policy
-from router.policy.types import Hint, Move, ReplicaCapacity
+from router.policy.types import Hint, Move, ReplicaCapacity, Tier
+from router.reconcile import parse_residency, reconcile
 
 log = logging.getLogger("mori.router")
 
@@ -50,6 +51,11 @@ class Router:
         self.in_flight = 0
         self._chars_per_token: dict[str, float] = {}
         self._hints_dirty = asyncio.Event()
+        # Busy-hint acknowledgement: hint push rounds started / finished, and the round each
+        # freshly promoted program waits for before its request is forwarded.
+        self._rounds_started = self._rounds_done = 0
+        self._rounds = asyncio.Condition()
+        self._ack_round: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._probes: dict[str, asyncio.Future[bool]] = {}  # health probe in flight per replica
@@ -75,10 +81,11 @@ class Router:
                 self.apply(self.policy.set_healthy(replica.url, False, now))
             else:
                 self.policy.add_replica(replica.url, result)
-        self.metrics.refresh_tiers(self.policy)
         loops = [self._tick_loop, self._capacity_loop, self._health_loop, self._outlier_loop]
         if self.policy.sends_hints:
-            loops.append(self._hint_loop)
+            await self.reconcile()  # before the first full sync: adopt what the engines hold
+            loops += [self._hint_loop, self._reconcile_loop]
+        self.metrics.refresh_tiers(self.policy)
         self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
@@ -111,6 +118,9 @@ class Router:
             self.metrics.record_moves(moves)
             if self.policy.sends_hints:
                 self._hints_dirty.set()
+                for m in moves:
+                    if m.to_gpu and m.src.tier is Tier.CPU:  # its busy hint loads KV back
+                        self._ack_round[m.program_id] = self._rounds_started + 1
         self.gate.wake_all()
         self._schedule_wakeup()
 
@@ -281,6 +291,34 @@ class Router:
         self.drain(replica, f"{why}; health probe failed", reason)
         return True
 
+    # residency -------------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        await self._every(self.config.reconcile_s, self.reconcile)
+
+    async def reconcile(self) -> None:
+        """Check the tiers against every healthy replica's `/mori/residency`
+        (router/reconcile.py); a replica that does not answer is left out this time."""
+        urls = [u for u in self.replicas if self.policy.tiers.healthy.get(u)]
+        docs = await asyncio.gather(
+            *(self.replicas[u].fetch_residency() for u in urls), return_exceptions=True
+        )
+        views = {
+            url: parse_residency(url, doc)
+            for url, doc in zip(urls, docs, strict=True)
+            if not isinstance(doc, BaseException)
+        }
+        outcome = reconcile(self.policy, views, self.clock())
+        if outcome.adopted or outcome.lost:
+            log.warning(
+                "residency: adopted %d programs the engines hold, %d CPU-tier programs "
+                "lost their host copy",
+                len(outcome.adopted),
+                len(outcome.lost),
+            )
+            self.metrics.reconciled.labels("adopted").inc(len(outcome.adopted))
+            self.metrics.reconciled.labels("lost").inc(len(outcome.lost))
+            self.metrics.refresh_tiers(self.policy)
+
     # hints ---------------------------------------------------------------------------
     async def _hint_loop(self) -> None:
         """Push changed hints right after moves; a full sync every `hint_sync_s` repairs drift."""
@@ -298,7 +336,31 @@ class Router:
             except Exception:
                 log.exception("hint push failed")
 
+    async def hint_acked(self, program_id: str) -> None:
+        """Wait until the hint push that carries `program_id`'s promotion (its `busy` hint)
+        has been answered, so the engine loads its KV back before the request arrives
+        rather than racing it; bounded by `hint_ack_timeout_s` (a slow engine delays the
+        hint, never the request, for longer)."""
+        needed = self._ack_round.pop(program_id, None)
+        if needed is None or self._rounds_done >= needed:
+            return
+        started = self.clock()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.hint_ack_timeout_s), self._rounds:
+                await self._rounds.wait_for(lambda: self._rounds_done >= needed)
+        self.metrics.hint_ack_wait.observe(self.clock() - started)
+
     async def sync_hints(self, full: bool) -> None:
+        self._rounds_started += 1
+        round_no = self._rounds_started
+        try:
+            await self._sync_hints(full)
+        finally:
+            async with self._rounds:
+                self._rounds_done = max(self._rounds_done, round_no)
+                self._rounds.notify_all()
+
+    async def _sync_hints(self, full: bool) -> None:
         self._hints_dirty.clear()
         batches = self.policy.hints() if full else self.policy.hint_updates()
         if full:

@@ -1,7 +1,8 @@
 """The router's view of its engine replicas: one pooled httpx client, one `Replica` each.
 
 Everything a replica is asked goes through here: inference (streamed), capacity
-(`/get_server_info`), health, hint batches (`/mori/hints`) and aborts (`/abort_request`).
+(`/get_server_info`), health, hint batches (`/mori/hints`), residency (`/mori/residency`)
+and aborts (`/abort_request`).
 """
 
 from __future__ import annotations
@@ -105,9 +106,17 @@ class Replica:
         r = await self.client.post(
             self.url + "/mori/hints", json=payload, timeout=self.health_timeout_s
         )
-        if r.status_code in (404, 405):
+        if r.status_code in (404, 405, 501):  # 501: the engine's configuration takes none
             raise HintsUnsupported(self.url)
         r.raise_for_status()
+
+    async def fetch_residency(self) -> Any:
+        """The decoded `/mori/residency` answer; raises HintsUnsupported without one."""
+        r = await self.client.get(self.url + "/mori/residency", timeout=self.health_timeout_s)
+        if r.status_code in (404, 405, 501):
+            raise HintsUnsupported(self.url)
+        r.raise_for_status()
+        return r.json()
 
 
 def _int_field(info: dict[str, Any], name: str) -> int | None:

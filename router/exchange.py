@@ -25,6 +25,7 @@ from router.accounting import (
     Usage,
     anthropic_body,
     openai_body,
+    without_sglext,
 )
 from router.controller import Router
 from router.engines import Replica
@@ -70,6 +71,7 @@ class Call:
     program_id: str
     stream: bool
     client_wants_usage: bool
+    client_wants_details: bool  # the client itself set return_cached_tokens_details
     prompt_chars: int
     arrival: float
     headers: dict[str, str]
@@ -85,6 +87,7 @@ class Exchange(Response):
         self.call = call
         self.rid = call.rid
         self.started = False  # response headers went to the client
+        self.first_byte_at: float | None = None  # first streamed byte from the engine
         self.outcome = "ok"
         self.replica: Replica | None = None
         # the current attempt for the outlier books: True served, False the replica
@@ -169,7 +172,10 @@ class Exchange(Response):
             self.replica = replica
             usage = Usage()
             try:
+                await r.hint_acked(pid)  # its busy hint (load-back) reaches the engine first
+                sent_at = r.clock()
                 usage = await self._forward(replica, send)
+                self._price(replica, usage, sent_at)
                 return
             except _Retry as e:
                 r.metrics.requests.labels(replica.url, "retried").inc()
@@ -183,6 +189,20 @@ class Exchange(Response):
                 if usage.tool:
                     r.apply(policy.on_tool_start(pid, now, usage.tool, agent=self.call.agent))
         raise ApiError(502, "no engine replica answered the request", code="upstream_unavailable")
+
+    def _price(self, replica: Replica, usage: Usage, sent_at: float) -> None:
+        """Tell the policy what this step cost inside the engine (its prices follow the
+        replica's own timings): prompt and cache split from the usage, time to the first
+        streamed byte, decode time. A plain answer's first byte is its last: no sample."""
+        hits, first = usage.hits(), self.first_byte_at
+        if hits is None or first is None:
+            return
+        done = self.router.clock()
+        prompt = usage.prompt_tokens or 0
+        self.router.policy.observe_step(
+            replica.url, prompt, hits.device, hits.host, first - sent_at,
+            usage.completion_tokens or 0, done - first,
+        )  # fmt: skip
 
     async def _gated(self, deadline: float) -> str:
         """Wait for the program's replica; on any exit but success the request is cancelled."""
@@ -268,6 +288,8 @@ class Exchange(Response):
             self.verdict = False
             raise _Retry(f"{type(e).__name__} while reading the answer") from None
         usage = (anthropic_body if self.call.anthropic else openai_body)(content)
+        if not self.call.anthropic and not self.call.client_wants_details:
+            content = without_sglext(content)
         now = self.router.clock()
         self.router.metrics.ttft.labels(replica.url).observe(now - self.call.arrival)
         ctype = upstream.headers.get("content-type", "application/json").encode()
@@ -278,8 +300,10 @@ class Exchange(Response):
     async def _relay_stream(
         self, upstream: httpx.Response, replica: Replica, send: Send, attempt: Attempt
     ) -> Usage:
-        parser = (AnthropicStream if self.call.anthropic else OpenAIStream)(
-            self.call.client_wants_usage
+        parser = (
+            AnthropicStream(self.call.client_wants_usage)
+            if self.call.anthropic
+            else OpenAIStream(self.call.client_wants_usage, self.call.client_wants_details)
         )
         clock = self.router.clock
         try:
@@ -289,8 +313,9 @@ class Exchange(Response):
                 if not self.started:
                     if not out:
                         continue
+                    self.first_byte_at = self.router.clock()
                     self.router.metrics.ttft.labels(replica.url).observe(
-                        self.router.clock() - self.call.arrival
+                        self.first_byte_at - self.call.arrival
                     )
                     await self._start(send, 200, SSE_HEADERS)
                 if out:
@@ -334,6 +359,7 @@ class Exchange(Response):
             r.learn_tokens(pid, self.call.prompt_chars, usage.prompt_tokens)
         if usage.completion_tokens is not None:
             r.metrics.output_tokens.labels(replica.url).inc(usage.completion_tokens)
+        r.metrics.record_hits(replica.url, usage)
 
     # sending ---------------------------------------------------------------------------
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

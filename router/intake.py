@@ -23,6 +23,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from router import identity
+from router.accounting import CACHE_DETAILS_FLAG
 from router.errors import ApiError
 from router.sanitize import LabelError, check_label
 
@@ -39,6 +40,7 @@ class Prepared:
     agent: str | None
     stream: bool
     client_wants_usage: bool
+    client_wants_details: bool  # the client set return_cached_tokens_details itself
     rid: str
     content: bytes  # the engine's body: program_id/agent removed, session_id (and rid) set
     prompt_chars: int  # characters of text the engine's chat template will see
@@ -149,9 +151,11 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     rid = _label(rid, "rid") if rid is not None else uuid.uuid4().hex
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
+    wants_details = bool(body.get(CACHE_DETAILS_FLAG))
     body["session_id"] = program_id
     if kind != "messages":
         body["rid"] = rid
+        body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
         if stream:
             body["stream_options"] = {**(options or {}), "include_usage": True}
     return Prepared(
@@ -159,6 +163,7 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         agent=agent,
         stream=stream,
         client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        client_wants_details=wants_details,
         rid=rid,
         content=json.dumps(body, separators=(",", ":")).encode(),
         prompt_chars=prompt_chars(body),

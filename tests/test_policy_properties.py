@@ -60,7 +60,9 @@ def fits_somewhere(policy: Policy, p) -> bool:
 def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:
     """Continuum blocks head-of-line: a held request may wait while it fits, but only
     behind an earlier program's request (on its replica) that does not fit even with
-    every releasable pin released."""
+    every releasable pin released. A step's pin is not releasable while its TTL is being
+    priced (deadline = the step's end: the shell calls `on_tool_start` next; without one,
+    the next event or tick releases it)."""
     replica = policy._replica_of(p)
     if replica is None:
         return False
@@ -75,6 +77,7 @@ def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:
         v.context_tokens
         for v in policy.tiers.members(gpu)
         if v.program_id in policy.pins
+        and policy.pins[v.program_id] != policy._finished_at.get(v.program_id)
         and v.status is Status.ACTING
         and not v.pending
         and v is not head

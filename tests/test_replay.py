@@ -7,9 +7,8 @@ import json
 import subprocess
 
 import pytest
-from openai.types import CompletionUsage
 
-from router.replay.client import Replay, ReplayConfig, cached_split
+from router.replay.client import Replay, ReplayConfig
 from router.replay.prompts import Conversation, common_prefix_tokens, count_tokens, render_chat
 from router.replay.report import JSON_FIELDS
 from router.replay.trace import TraceProgram, TraceStep, dump_trace
@@ -77,31 +76,6 @@ def test_same_agent_shares_the_anchor_prefix_only():
     c = render_chat(Conversation("c", "other", 300).next_messages(600, 0))
     assert 295 <= common_prefix_tokens(a, b) <= 302
     assert common_prefix_tokens(a, c) < 5
-
-
-def test_cached_split_reads_sglang_and_plain_usage():
-    usage = CompletionUsage.model_validate(
-        {
-            "prompt_tokens": 100,
-            "completion_tokens": 5,
-            "total_tokens": 105,
-            "prompt_tokens_details": {
-                "cached_tokens": 70,
-                "cached_tokens_details": {"device": 50, "host": 20},
-            },
-        }
-    )
-    assert cached_split(usage) == (50, 20)
-    plain = CompletionUsage.model_validate(
-        {
-            "prompt_tokens": 10,
-            "completion_tokens": 1,
-            "total_tokens": 11,
-            "prompt_tokens_details": {"cached_tokens": 7},
-        }
-    )
-    assert cached_split(plain) == (7, 0)
-    assert cached_split(None) == (0, 0)
 
 
 def test_replay_against_emulator_records_steps_and_cache_hits(emulator, corpus_file):

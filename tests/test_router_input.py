@@ -38,6 +38,19 @@ def test_flags_beat_env_beat_file(tmp_path):
     assert [r.url for r in config.replicas] == ["http://a:1"]
 
 
+def test_time_scale_divides_the_trace_timers(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("replicas: [http://a:1]\ntick_s: 5\nlease_s: 900\nhealth_interval_s: 5\n")
+    plain = load_config(path, env={})
+    fast = load_config(path, {"time_scale": 10}, env={"MORI_GATE_TIMEOUT_S": "300"})
+    assert (fast.tick_s, fast.lease_s, fast.gate_timeout_s) == (0.5, 90, 30)
+    assert fast.hint_sync_s == plain.hint_sync_s / 10
+    assert fast.load_s_per_token == pytest.approx(plain.load_s_per_token / 10)
+    assert fast.health_interval_s == 5  # wall-clock concerns keep their value
+    with pytest.raises(ConfigError, match="time_scale"):
+        load_config(path, env={"MORI_TIME_SCALE": "0"})
+
+
 def test_replicas_from_env_accept_overrides():
     env = {"MORI_REPLICAS": '[{"url": "http://a:1/", "gpu_tokens": 500}, "http://b:2"]'}
     config = load_config(None, env=env)

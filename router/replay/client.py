@@ -8,9 +8,11 @@ subagents run as extra clients from their `start_s`. Prompts are synthesised by
 
 It measures what `mori sim` measures, as `StepRecord`s reduced by `summarize`: TTFT is
 taken at the first content chunk on the client side (so router gating counts), cached
-tokens come from the answer's usage. Times are on the *trace* clock, wall seconds times
-`time_scale` (a replay at --time-scale 10 against emulators started with --time-scale 10
-reports the same numbers as one run in real time), so results compare with `mori sim`.
+tokens come from the answer: each request asks for SGLang's device/host split
+(`return_cached_tokens_details`) and reads it the way router.accounting does for the
+router. Times are on the *trace* clock, wall seconds times `time_scale` (a replay at
+--time-scale 10 against emulators started with --time-scale 10 reports the same numbers
+as one run in real time), so results compare with `mori sim`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import quote
 
 import httpx
 import openai
 
+from router.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
@@ -51,6 +53,7 @@ class ReplayConfig:
     api_key: str = "none"
     start_jitter_s: float = 5.0  # trace seconds over which clients start
     request_timeout_s: float = 600.0
+    programs: int | None = None  # stop early once this many main programs have finished
 
     def __post_init__(self) -> None:
         checks = {
@@ -59,6 +62,7 @@ class ReplayConfig:
             "time_scale": self.time_scale > 0,
             "token_scale": self.token_scale > 0,
             "start_jitter_s": self.start_jitter_s >= 0,
+            "programs": self.programs is None or self.programs >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -98,6 +102,8 @@ class Replay:
         self._live: set[str] = set()  # programs started and not ended
         self._crash: BaseException | None = None
         self.labels = (config.policy_label or "unknown", config.cpu_ratio or 0.0)
+        self._claimed = 0  # main programs started
+        self._wall = config.duration_s  # wall seconds the run lasted
 
     # clock ------------------------------------------------------------------------------
     def now(self) -> float:
@@ -110,7 +116,8 @@ class Replay:
 
     # run --------------------------------------------------------------------------------
     async def run(self, on_tick: Callable[[float], None] | None = None) -> RunResult:
-        """Replay for `duration_s` wall seconds; `on_tick(fraction)` about once a second."""
+        """Replay for `duration_s` wall seconds (or until `programs` programs are done, with
+        nothing left in flight); `on_tick(fraction)` about once a second."""
         cfg = self.config
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -134,9 +141,12 @@ class Replay:
                 while (elapsed := time.monotonic() - self._t0) < cfg.duration_s:
                     if self._crash is not None:
                         raise RuntimeError("a replay client crashed") from self._crash
+                    if cfg.programs is not None and not self._tasks:
+                        break
                     if on_tick is not None:
                         on_tick(elapsed / cfg.duration_s)
-                    await asyncio.sleep(min(1.0, cfg.duration_s - elapsed))
+                    await asyncio.sleep(min(0.2, cfg.duration_s - elapsed))
+                self._wall = min(elapsed, cfg.duration_s)
             finally:
                 sampler.cancel()
                 await self._cancel_all()
@@ -146,7 +156,7 @@ class Replay:
 
     def result(self) -> RunResult:
         cfg = self.config
-        trace_duration = cfg.duration_s * cfg.time_scale
+        trace_duration = self._wall * cfg.time_scale
         util = sum(self._util) / len(self._util) if self._util else 0.0
         extra = {
             "endpoint": cfg.endpoint,
@@ -154,7 +164,7 @@ class Replay:
             "token_scale": cfg.token_scale,
             "time_scale": cfg.time_scale,
             "duration_s": trace_duration,
-            "wall_s": cfg.duration_s,
+            "wall_s": self._wall,
             "seed": cfg.seed,
             "failed_steps": sum(not r.ok for r in self.records),
         }
@@ -198,9 +208,11 @@ class Replay:
 
     # clients ----------------------------------------------------------------------------
     async def _slot(self, delay: float) -> None:
-        """One closed-loop client: programs back to back for the whole run."""
+        """One closed-loop client: programs back to back for the whole run (or until the
+        run's `programs` have all been started)."""
         await self._sleep_trace(delay)
-        while True:
+        while self.config.programs is None or self._claimed < self.config.programs:
+            self._claimed += 1
             await self._program(self.corpus.next_main())
 
     async def _program(self, program: TraceProgram) -> None:
@@ -233,7 +245,7 @@ class Replay:
         arrival = self.now()
         first: float | None = None
         parts: list[str] = []
-        usage: Any = None
+        usage = Usage()
         replica = None
         try:
             raw = await self.api.chat.completions.with_raw_response.create(
@@ -242,7 +254,7 @@ class Replay:
                 max_tokens=max(1, step.output_tokens),
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "program_id": pid},
+                extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
             )
             replica = raw.headers.get("x-mori-replica")
             async for chunk in raw.parse():
@@ -250,14 +262,13 @@ class Replay:
                     if first is None:
                         first = self.now()
                     parts.append(chunk.choices[0].delta.content)
-                if chunk.usage is not None:
-                    usage = chunk.usage
+                if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
+                    openai_usage(chunk.to_dict(), usage)
         except (openai.OpenAIError, httpx.HTTPError) as e:
             self._fail(pid, step, arrival, replica, e)
             return "".join(parts)
         finish = self.now()
-        cached_device, cached_host = cached_split(usage)
-        output = usage.completion_tokens if usage is not None else len(parts)
+        hits = usage.hits()
         self.records.append(
             StepRecord(
                 program_id=pid,
@@ -265,14 +276,14 @@ class Replay:
                 arrival_s=arrival,
                 first_token_s=first if first is not None else finish,
                 finish_s=finish,
-                input_tokens=usage.prompt_tokens if usage is not None else step.input_tokens,
-                output_tokens=output,
-                cached_device=cached_device,
-                cached_host=cached_host,
+                input_tokens=_or(usage.prompt_tokens, step.input_tokens),
+                output_tokens=_or(usage.completion_tokens, len(parts)),
+                cached_device=hits.device if hits else 0,
+                cached_host=hits.host if hits else 0,
             )
         )
         self.progress.steps += 1
-        self.progress.output_tokens += output
+        self.progress.output_tokens += self.records[-1].output_tokens
         return "".join(parts)
 
     def _fail(self, pid: str, step: TraceStep, arrival: float, replica, error: Exception) -> None:
@@ -376,18 +387,8 @@ def _utilisation(first: dict, last: dict, samples: list[float]) -> list[float]:
     return [*samples, sum(r[2] for r in last.values()) / capacity] if capacity else samples
 
 
-def cached_split(usage: Any) -> tuple[int, int]:
-    """(device, host) cached prompt tokens from an OpenAI usage object (SGLang's fields);
-    a server that reports only `cached_tokens` counts them as device hits."""
-    details = getattr(usage, "prompt_tokens_details", None)
-    if details is None:
-        return 0, 0
-    split = getattr(details, "cached_tokens_details", None)
-    if split is None and getattr(usage, "model_extra", None):
-        split = usage.model_extra.get("cached_tokens_details")
-    if isinstance(split, dict):
-        return int(split.get("device") or 0), int(split.get("host") or 0)
-    return int(getattr(details, "cached_tokens", 0) or 0), 0
+def _or(reported: int | None, fallback: int) -> int:
+    return fallback if reported is None else reported
 
 
 async def replay(

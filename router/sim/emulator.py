@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.accounting import CACHE_DETAILS_FLAG
 from router.errors import ApiError
 from router.policy.types import EngineMode, Hint
 from router.replay import prompts
@@ -58,6 +59,7 @@ class Job:
     chat: bool
     stream: bool
     include_usage: bool
+    cache_details: bool  # the request set return_cached_tokens_details
     prompt_text: str
     input_tokens: int
     output_tokens: int
@@ -180,6 +182,7 @@ def parse_job(body: Any, chat: bool, model_name: str) -> Job:
         chat=chat,
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        cache_details=body.get(CACHE_DETAILS_FLAG) is True,
         prompt_text=prompt_text,
         input_tokens=prompts.count_tokens(prompt_text),
         output_tokens=output,
@@ -352,17 +355,26 @@ def _answer_text(job: Job) -> str:
 
 # --- OpenAI answers ---------------------------------------------------------------------
 def _usage(flight: Flight, completion_tokens: int) -> dict:
+    """SGLang's usage with --enable-cache-report: the cached total (left out when 0), no
+    device/host split."""
     job = flight.job
-    cached = flight.cached_device + flight.cached_host
-    return {
+    usage = {
         "prompt_tokens": job.input_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": job.input_tokens + completion_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": cached,
-            "cached_tokens_details": {"device": flight.cached_device, "host": flight.cached_host},
-        },
     }
+    if cached := flight.cached_device + flight.cached_host:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _sglext(flight: Flight) -> dict:
+    """SGLang's `sglext` field: the device/host split, only when the request asked for it
+    and something was cached (router/accounting.py reads it)."""
+    if not flight.job.cache_details or not flight.cached_device + flight.cached_host:
+        return {}
+    split = {"device": flight.cached_device, "host": flight.cached_host}
+    return {"sglext": {"cached_tokens_details": split}}
 
 
 def _finish_reason(flight: Flight) -> str:
@@ -407,17 +419,20 @@ def full_answer(flight: Flight, created: int) -> dict:
     else:
         choice = {"index": 0, "text": text, "finish_reason": _finish_reason(flight)}
         kind = "text_completion"
-    return {**_base(job, created, kind), "choices": [choice], "usage": _usage(flight, n)}
+    answer = {**_base(job, created, kind), "choices": [choice], "usage": _usage(flight, n)}
+    return answer | _sglext(flight)
+
+
+def _sse(doc: dict) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _chunk(job: Job, created: int, delta: dict | None, text: str, finish: str | None) -> bytes:
     if job.chat:
         choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
-        doc = {**_base(job, created, "chat.completion.chunk"), "choices": [choice]}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        doc = {**_base(job, created, "text_completion"), "choices": [choice]}
-    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+        return _sse({**_base(job, created, "chat.completion.chunk"), "choices": [choice]})
+    choice = {"index": 0, "text": text, "finish_reason": finish}
+    return _sse({**_base(job, created, "text_completion"), "choices": [choice]})
 
 
 async def _pieces(replica: EmulatedReplica, flight: Flight) -> AsyncIterator[str]:
@@ -455,12 +470,12 @@ async def stream_answer(
         if job.tool_call is not None and not flight.aborted:
             yield _chunk(job, created, {"tool_calls": _tool_calls(job)}, "", None)
         yield _chunk(job, created, {}, "", _finish_reason(flight))
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
+        if ext := _sglext(flight):  # its own chunk before the usage chunk, as SGLang sends it
+            yield _sse({**_base(job, created, kind), "choices": [], **ext})
         if job.include_usage:
-            doc = {
-                **_base(job, created, "chat.completion.chunk" if job.chat else "text_completion")
-            }
-            doc.update(choices=[], usage=_usage(flight, chars // prompts.CHARS_PER_TOKEN))
-            yield b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+            usage = _usage(flight, chars // prompts.CHARS_PER_TOKEN)
+            yield _sse({**_base(job, created, kind), "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
     finally:
         replica.finish(flight)
