@@ -55,5 +55,7 @@ def scale_program(program: TraceProgram, scale: float) -> TraceProgram:
         reused = min(round(st.reused_tokens * scale), limit, prompt)
         out = round(st.output_tokens * scale)
         steps.append(TraceStep(prompt, out, reused, st.tool_s, st.tool))
-    anchor = min(round(program.anchor_tokens * scale), steps[0].input_tokens)
-    return replace(program, steps=tuple(steps), anchor_tokens=anchor)
+    first = steps[0].input_tokens
+    anchor = min(round(program.anchor_tokens * scale), first)
+    inherit = min(round(program.inherit_tokens * scale), first)
+    return replace(program, steps=tuple(steps), anchor_tokens=anchor, inherit_tokens=inherit)

@@ -33,7 +33,8 @@ class TraceProgram:
     parent_id: str | None = None
     start_s: float = 0.0  # for subagents: seconds after the parent's start
     agent: str | None = None
-    anchor_tokens: int = 0
+    anchor_tokens: int = 0  # first-prompt prefix shared by every program of this agent role
+    inherit_tokens: int = 0  # first-prompt prefix repeated from the parent's context (a fork)
     extra: dict = field(default_factory=dict)
 
 
@@ -57,6 +58,7 @@ _PROGRAM_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
     "start_s": (_NUMBER, False, 0),
     "agent": ((str, type(None)), False, None),
     "anchor_tokens": ((int,), False, 0),
+    "inherit_tokens": ((int,), False, 0),
     "steps": ((list,), True, None),
 }
 _STEP_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
@@ -132,8 +134,13 @@ def parse_program(raw: object, path: str | Path = "<trace>", line: int | None = 
     known = {k: raw[k] for k in _PROGRAM_FIELDS if k in raw and k != "steps"}
     extra = {k: v for k, v in raw.items() if k not in _PROGRAM_FIELDS}
     program = TraceProgram(steps=steps, extra=extra, **known)
-    if program.anchor_tokens > steps[0].input_tokens:
-        fail("anchor_tokens", f"{program.anchor_tokens} > first prompt {steps[0].input_tokens}")
+    for name in ("anchor_tokens", "inherit_tokens"):
+        if getattr(program, name) > steps[0].input_tokens:
+            fail(name, f"{getattr(program, name)} > first prompt {steps[0].input_tokens}")
+    if program.inherit_tokens and program.parent_id is None:
+        fail("inherit_tokens", "only a subagent (with a parent_id) inherits a prefix")
+    if program.inherit_tokens and program.anchor_tokens:
+        fail("inherit_tokens", "a forked prompt starts with its parent's context, not an anchor")
     if program.parent_id == program.program_id:
         fail("parent_id", "a program cannot be its own parent")
     return program
@@ -148,15 +155,24 @@ def _check_links(programs: list[TraceProgram], lines: list[int], path: str | Pat
             raise TraceError(path, line, "program_id", f"duplicate of line {first}")
         seen[program.program_id] = line
     parents = {p.program_id: p.parent_id for p in programs}
+    contexts = {p.program_id: _peak(p) for p in programs}
     for program, line in zip(programs, lines, strict=True):
         if program.parent_id is not None and program.parent_id not in parents:
             raise TraceError(path, line, "parent_id", f"no program {program.parent_id!r} in file")
+        if program.inherit_tokens > contexts.get(program.parent_id, 0):  # type: ignore[arg-type]
+            reason = f"{program.inherit_tokens} > the parent's largest context"
+            raise TraceError(path, line, "inherit_tokens", reason)
         chain, node = {program.program_id}, program.parent_id
         while node is not None:
             if node in chain:
                 raise TraceError(path, line, "parent_id", f"parent chain loops through {node!r}")
             chain.add(node)
             node = parents[node]
+
+
+def _peak(program: TraceProgram) -> int:
+    """The program's largest context (prompt + output of one step)."""
+    return max(s.input_tokens + s.output_tokens for s in program.steps)
 
 
 def parse_lines(lines: Iterable[str], path: str | Path = "<trace>") -> list[TraceProgram]:
@@ -195,6 +211,8 @@ def program_to_dict(program: TraceProgram) -> dict:
         out["agent"] = program.agent
     if program.anchor_tokens:
         out["anchor_tokens"] = program.anchor_tokens
+    if program.inherit_tokens:
+        out["inherit_tokens"] = program.inherit_tokens
     out.update(program.extra)
     out["steps"] = [{k: v for k, v in asdict(s).items() if v is not None} for s in program.steps]
     return out

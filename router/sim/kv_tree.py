@@ -60,6 +60,19 @@ class SharedPrefix:
         if self.tokens < 0:
             raise ValueError(f"shared prefix tokens must be >= 0, got {self.tokens}")
 
+    @classmethod
+    def of_program(
+        cls, agent: str | None, anchor_tokens: int, inherit_tokens: int, parent: str | None
+    ) -> SharedPrefix | None:
+        """What a trace program shares (DESIGN.md trace format): its parent's first
+        `inherit_tokens` (a fork, `parent` = the parent's program id on the engine), else its
+        role's anchor; None when it shares nothing."""
+        if inherit_tokens and parent is not None:
+            return cls(inherit_tokens, program=parent)
+        if anchor_tokens:
+            return cls(anchor_tokens, anchor=agent or "")
+        return None
+
 
 @dataclass(eq=False, slots=True)
 class Node:

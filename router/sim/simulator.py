@@ -35,7 +35,7 @@ from router.policy.types import ReplicaCapacity
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
-from router.sim.model import Done, FirstToken, ReplicaEngine
+from router.sim.model import Done, FirstToken, ReplicaEngine, SharedPrefix
 from router.sim.presets import get_preset
 
 
@@ -79,6 +79,7 @@ class _Client:
 
     pid: str  # unique per replay of a trace program
     program: TraceProgram
+    parent: str | None = None  # pid of the parent instance (subagents)
     step: int = 0
 
 
@@ -219,13 +220,13 @@ class Simulation:
             self._util_t = t
 
     # clients -----------------------------------------------------------------------------
-    def _start_client(self, program: TraceProgram | None) -> None:
-        """Start a program instance: the next main program (None) or a given subagent."""
-        if program is None:
-            program = self.corpus.next_main()
-        client = _Client(f"{program.program_id}#{self.corpus.next_instance()}", program)
+    def _start_client(self, spawn: tuple[TraceProgram, str] | None) -> None:
+        """Start a program instance: the next main program (None) or a given subagent
+        (with its parent's pid)."""
+        program, parent = spawn if spawn is not None else (self.corpus.next_main(), None)
+        client = _Client(f"{program.program_id}#{self.corpus.next_instance()}", program, parent)
         for child in self.corpus.subagents(program):
-            self._push(self.now + child.start_s, _SPAWN, child)
+            self._push(self.now + child.start_s, _SPAWN, (child, client.pid))
         self._on_arrive(client)
 
     def _on_arrive(self, client: _Client) -> None:
@@ -245,7 +246,7 @@ class Simulation:
                 req.forwarded = self.now
                 self._forwarded.append(req)
                 self.inflight[req.rid] = req
-                st = req.step
+                st, program = req.step, req.client.program
                 engine = self.engines[replica]
                 engine.submit(
                     req.rid,
@@ -254,6 +255,12 @@ class Simulation:
                     st.output_tokens,
                     self.now,
                     reused_tokens=st.reused_tokens,
+                    prefix=SharedPrefix.of_program(
+                        program.agent,
+                        program.anchor_tokens,
+                        program.inherit_tokens,
+                        req.client.parent,
+                    ),
                 )
                 self._schedule_engine(replica)
 
