@@ -13,6 +13,7 @@ from router.policy.base import Policy, PolicyConfig
 REGISTRY: dict[str, str] = {
     "mori": "router.policy.mori:MoriPolicy",
     "mori+predict": "router.policy.predictive:PredictivePolicy",
+    "mori+cachesage": "router.policy.cachesage:CacheSagePolicy",
     "ta": "router.policy.baselines:ThunderAgentPolicy",
     "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",
     "smg": "router.policy.baselines:SmgPolicy",

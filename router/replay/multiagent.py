@@ -19,8 +19,11 @@ Trace layout (DESIGN.md format): one main program per task, the selector (`agent
 selector name), whose step t dispatches turn t (`tool` = the speaker's role, `tool_s` = the
 turn's nominal length) and whose last step reads the final answer; and one subagent program
 per (task, role) that spoke (`parent_id` = the task, `start_s` = its first turn's start),
-whose gap between two turns is a `handoff` lasting the other roles' turns. Timing is nominal
-(`Nominal`: ttft + output / decode rate per call), as in the single-agent generator.
+whose gap between two turns is a `handoff` lasting the other roles' turns. Hand-overs are
+dependencies (`after`): a turn's first call waits for the selector's call that dispatched it,
+and the selector's next call waits for the turn's last call, so a replay under load keeps
+the speaking order; `start_s` and the gaps before such calls are nominal (`Nominal`: ttft +
+output / decode rate per call), as in the single-agent generator.
 
 Other kinds of multi-agent app (a DAG of dependent agents, Tokencake's workloads) add a
 preset model and a generator next to this one and register them by `kind` in
@@ -155,18 +158,17 @@ class _TaskBuilder:
         speakers: dict[str, _Speaker] = {}
         now = 0.0
         seen = 0  # thread tokens the selector saw in its previous call
+        turn_end: tuple[str, int] | None = None  # the last turn's final call
         for role_name in self.speakers():
-            out = round(sel.output_tokens.sample(rng, lo=1))
-            reused = sel.anchor_tokens + seen if selector else 0
-            call = TraceStep(sel.anchor_tokens + thread, out, reused)
+            call = self._selector_call(thread, seen, bool(selector), turn_end)
             seen = thread
             now += self.nominal.inference_s(call)
             turn_start = now
-            now, thread = self._turn(speakers, role_name, thread, now)
+            dispatch = (task_id, len(selector))
+            now, thread = self._turn(speakers, role_name, thread, now, dispatch)
+            turn_end = (f"{task_id}.{role_name}", len(speakers[role_name].steps) - 1)
             selector.append(_gap(call, now - turn_start, role_name))
-        out = round(sel.output_tokens.sample(rng, lo=1))
-        reused = sel.anchor_tokens + seen if selector else 0
-        selector.append(TraceStep(sel.anchor_tokens + thread, out, reused))
+        selector.append(self._selector_call(thread, seen, bool(selector), turn_end))
         main = TraceProgram(task_id, tuple(selector), None, 0.0, sel.name, sel.anchor_tokens)
         children = [
             TraceProgram(
@@ -181,10 +183,26 @@ class _TaskBuilder:
         ]
         return [main, *children]
 
+    def _selector_call(
+        self, thread: int, seen: int, again: bool, turn_end: tuple[str, int] | None
+    ) -> TraceStep:
+        """The selector reads the thread once the last turn ended (its hand-over)."""
+        sel = self.preset.selector
+        out = round(sel.output_tokens.sample(self.rng, lo=1))
+        reused = sel.anchor_tokens + seen if again else 0
+        after = (turn_end,) if turn_end else ()
+        return TraceStep(sel.anchor_tokens + thread, out, reused, after=after)
+
     def _turn(
-        self, speakers: dict[str, _Speaker], name: str, thread: int, now: float
+        self,
+        speakers: dict[str, _Speaker],
+        name: str,
+        thread: int,
+        now: float,
+        dispatch: tuple[str, int],
     ) -> tuple[float, int]:
-        """One turn of `name` from `now`: its calls on the thread; returns (end, thread)."""
+        """One turn of `name` from `now`, once the selector's `dispatch` call ended: its
+        calls on the thread; returns (end, thread)."""
         role, rng = self.preset.roles[name], self.rng
         sp = speakers.get(name)
         if sp is None:
@@ -195,7 +213,8 @@ class _TaskBuilder:
         for k in range(calls + 1):
             dist = role.call_tokens if k < calls else role.output_tokens
             prompt = role.anchor_tokens + thread
-            step = TraceStep(prompt, round(dist.sample(rng, lo=1)), sp.context)
+            out = round(dist.sample(rng, lo=1))
+            step = TraceStep(prompt, out, sp.context, after=() if k else (dispatch,))
             now += self.nominal.inference_s(step)
             thread += step.output_tokens  # the call (or the answer) joins the thread
             sp.context = prompt + step.output_tokens

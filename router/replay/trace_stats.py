@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,25 +145,32 @@ def speaker_sequences(programs: list[TraceProgram]) -> list[list[str]]:
 
 
 def _entropy(counts: Iterable[int]) -> float:
-    counts = [c for c in counts if c]
+    counts = [c for c in counts if c > 0]
     total = sum(counts)
     return -sum(c / total * math.log2(c / total) for c in counts) if total else 0.0
 
 
-def transition_r(sequences: list[list[str]]) -> float:
-    """1 - H(next | current) / H(next) over the consecutive pairs of every sequence."""
-    pairs = Counter((a, b) for seq in sequences for a, b in zip(seq, seq[1:], strict=False))
+def entropy_reduction(rows: Mapping[str, Mapping[str, int]]) -> float:
+    """R = 1 - H(next | current) / H(next) of transition counts `rows[current][next]`
+    (plug-in entropies); NaN when the next agent never varies."""
     nexts: Counter[str] = Counter()
-    rows: dict[str, Counter[str]] = {}
-    for (a, b), n in pairs.items():
-        nexts[b] += n
-        rows.setdefault(a, Counter())[b] += n
+    for row in rows.values():
+        nexts.update(row)
     h_next = _entropy(nexts.values())
     if h_next == 0:
         return float("nan")
     total = sum(nexts.values())
     h_cond = sum(sum(row.values()) / total * _entropy(row.values()) for row in rows.values())
     return 1 - h_cond / h_next
+
+
+def transition_r(sequences: list[list[str]]) -> float:
+    """R over the consecutive pairs of every sequence (see `entropy_reduction`)."""
+    rows: dict[str, Counter[str]] = {}
+    for seq in sequences:
+        for a, b in zip(seq, seq[1:], strict=False):
+            rows.setdefault(a, Counter())[b] += 1
+    return entropy_reduction(rows)
 
 
 def busy_phases_s(program: TraceProgram, threshold_s: float, nominal: Nominal) -> list[float]:

@@ -132,6 +132,7 @@ class KVTree:
         self.anchors: dict[tuple[str, int], Node] = {}  # (key, tokens) -> root segment
         self.nodes: set[Node] = set()
         self.scores: dict[str, float] = {}  # agent role -> survival in [0, 1]
+        self.locked_tokens = 0  # distinct tokens held by running requests (and warm-ups)
         self._tie = itertools.count()  # heap tie-breaker (nodes do not compare)
 
     # reading ------------------------------------------------------------------------
@@ -249,7 +250,7 @@ class KVTree:
         for node in base:
             node.users.add(pid)
             self._set_dev(node, node.length)
-            node.lock += 1
+            self.hold(node)
             node.last_use = now
         for node in base:  # what this request hit was loaded ahead: used up now
             node.prefetched = 0
@@ -280,12 +281,23 @@ class KVTree:
             return
         e.running = None
         for node in e.path:
-            node.lock -= 1
+            self.unhold(node)
             node.last_use = now
         extra = sum(n.length for n in e.path) - context
         if extra > 0 and e.path and e.path[-1].users == {pid}:
             last = e.path[-1]
             self._shrink(last, max(0, last.length - extra))
+
+    def hold(self, node: Node) -> None:
+        """Lock a node on device (it is all there: a running request or warm-up uses it)."""
+        node.lock += 1
+        if node.lock == 1:
+            self.locked_tokens += node.length
+
+    def unhold(self, node: Node) -> None:
+        if node.lock == 1:
+            self.locked_tokens -= node.length
+        node.lock -= 1
 
     # tree surgery ---------------------------------------------------------------------
     def _attach(self, node: Node) -> Node:

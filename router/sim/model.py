@@ -215,7 +215,6 @@ class ReplicaEngine:
         self._phase: _Prefill | _Decode | None = None
         self._t = 0.0  # engine clock: where the current phase starts or the last one ended
         self._events: list[EngineEvent] = []
-        self._active = 0  # device tokens reserved by running requests
         self._pcie_free_at = 0.0
         self.stats = {
             "prefill_s": 0.0,
@@ -354,7 +353,7 @@ class ReplicaEngine:
             "host_capacity_tokens": self.host_tokens,
             "device_used_tokens": self.tree.dev_used,
             "host_used_tokens": self.tree.host_used,
-            "device_active_tokens": self._active,
+            "device_active_tokens": self.tree.locked_tokens,
             "running": len(self._running) + (len(self._phase.batch) if self._prefilling else 0),
             "queued": len(self._queue),
         }
@@ -413,7 +412,7 @@ class ReplicaEngine:
         self._t = phase.end
         if phase.warm is not None:
             node = phase.warm
-            node.lock -= 1
+            self.tree.unhold(node)
             node.last_use = phase.end
             if self.mode.host_tier:
                 self.tree.write_through([node])
@@ -485,7 +484,6 @@ class ReplicaEngine:
         req.path = tree.admit(pid, m, total, req.rid, now)
         req.dev_hit, req.host_hit = m.dev, m.host
         req.cached = (m.dev - m.prefetched, m.host + m.prefetched)
-        self._active += total
         return True
 
     def _prefill_end(self, batch: list[_Request], now: float) -> float:
@@ -505,7 +503,6 @@ class ReplicaEngine:
 
     def _release(self, req: _Request, context: int, now: float) -> None:
         """The request left the batch: unlock its program's KV and back it up to host."""
-        self._active -= req.input_tokens + req.output_tokens
         e = self.tree.entries.get(req.program_id)
         if e is None or e.running != req.rid:
             return
@@ -570,7 +567,7 @@ class ReplicaEngine:
                 continue
             node = self.tree.anchor_node(anchor, tokens)
             self.tree.fill(node)
-            node.lock += 1
+            self.tree.hold(node)
             end = now + self.cost.prefill_s(tokens - cached, cached)
             self.stats["prefill_s"] += end - now
             self.stats["warm_prefill_tokens"] += tokens - cached

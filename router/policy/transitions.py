@@ -1,0 +1,134 @@
+"""CacheSage's transition learner (§3.2): which agent speaks after which, learnt online.
+
+Per session (a task: the root program and its subagents) the learner follows the sequence of
+*turns*: a turn starts when a subagent's request follows the root's (the supervisor handed
+over) or another subagent's; consecutive requests of one program in a tool loop are one
+turn. Each new turn after a previous one is a transition (previous agent -> this agent),
+counted over a sliding window of the last `window` transitions, so the estimate
+P(b | a) = n(a, b) / n(a) follows a workload whose routing drifts.
+
+State is bounded: at most `max_agents` agents (later ones are not learnt), `window` pairs,
+`max_sessions` sessions (least recently active forgotten first); |A|^2 counts.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.replay.trace_stats import entropy_reduction
+
+
+@dataclass(slots=True)
+class _Session:
+    turn_agent: str | None = None  # agent of the turn in progress
+    turn_program: str | None = None
+    handed_over: bool = False  # the root spoke since the last turn started
+
+
+class TransitionLearner:
+    """Windowed first-order Markov counts over agent turns, with R and K-step reach."""
+
+    def __init__(self, window: int = 1024, max_agents: int = 64, max_sessions: int = 4096):
+        self.window, self.max_agents, self.max_sessions = window, max_agents, max_sessions
+        self.rows: dict[str, Counter[str]] = {}
+        self.nexts: Counter[str] = Counter()
+        self.pairs: deque[tuple[str, str]] = deque()
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.version = 0  # bumped whenever the counts change
+        self._reach: tuple[int, int, list[str], np.ndarray] | None = None
+
+    # observing --------------------------------------------------------------------------
+    def observe(self, session: str, program: str, agent: str | None) -> bool:
+        """A request of `program` (agent `agent`) in `session`; True when it starts a turn.
+        The root program of a session (program == session) only marks a hand-over."""
+        s = self.sessions.get(session)
+        if s is None:
+            s = self.sessions[session] = _Session()
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        self.sessions.move_to_end(session)
+        if program == session:
+            s.handed_over = True
+            return False
+        if agent is None or (not s.handed_over and program == s.turn_program):
+            return False
+        if s.turn_agent is not None:
+            self._count(s.turn_agent, agent)
+        s.turn_agent, s.turn_program, s.handed_over = agent, program, False
+        return True
+
+    def end_session(self, session: str) -> None:
+        self.sessions.pop(session, None)
+
+    def _count(self, a: str, b: str) -> None:
+        known = self.rows.keys() | self.nexts.keys()
+        if len(known | {a, b}) > self.max_agents:
+            return
+        self.rows.setdefault(a, Counter())[b] += 1
+        self.nexts[b] += 1
+        self.pairs.append((a, b))
+        if len(self.pairs) > self.window:
+            old_a, old_b = self.pairs.popleft()
+            row = self.rows[old_a]
+            row[old_b] -= 1
+            self.nexts[old_b] -= 1
+            if not row[old_b]:
+                del row[old_b]
+            if not row:
+                del self.rows[old_a]
+            if not self.nexts[old_b]:
+                del self.nexts[old_b]
+        self.version += 1
+
+    # estimates ------------------------------------------------------------------------------
+    @property
+    def transitions(self) -> int:
+        return len(self.pairs)
+
+    def row(self, a: str) -> dict[str, float]:
+        """P(next | a) over the window ({} for an agent never seen handing over)."""
+        counts = self.rows.get(a)
+        if not counts:
+            return {}
+        total = sum(counts.values())
+        return {b: n / total for b, n in counts.items()}
+
+    def r(self) -> float:
+        """Relative conditional entropy reduction 1 - H(next | current) / H(next) over the
+        window (0 with no data or one next agent): what the current agent tells of the next."""
+        r = entropy_reduction(self.rows)
+        return 0.0 if math.isnan(r) else max(0.0, r)
+
+    def reach(self, horizon: int) -> tuple[list[str], np.ndarray]:
+        """(agents, H) with H[i, j] = P(agent j speaks within `horizon` turns after agent i),
+        exact under the learnt chain (a row with no data never reaches anyone). Cached
+        until the counts change. H_1 = P; H_k+1 = P + P H_k - P diag(H_k)."""
+        if self._reach is not None and self._reach[:2] == (self.version, horizon):
+            return self._reach[2], self._reach[3]
+        agents = sorted(self.rows.keys() | self.nexts.keys())
+        index = {a: i for i, a in enumerate(agents)}
+        p = np.zeros((len(agents), len(agents)))
+        for a, counts in self.rows.items():
+            total = sum(counts.values())
+            for b, n in counts.items():
+                p[index[a], index[b]] = n / total
+        h = p.copy()
+        for _ in range(horizon - 1):
+            h = p + p @ h - p * np.diag(h)[None, :]
+        self._reach = (self.version, horizon, agents, h)
+        return agents, h
+
+    def current_agents(self) -> Counter[str]:
+        """How many live sessions are in a turn of each agent."""
+        return Counter(s.turn_agent for s in self.sessions.values() if s.turn_agent)
+
+    def state_bytes(self) -> int:
+        """Approximate memory of the learnt state (the paper bounds it at ~20 KB/workload)."""
+        size = sys.getsizeof
+        rows = sum(size(r) for r in self.rows.values()) + size(self.rows) + size(self.nexts)
+        return rows + size(self.pairs) + 16 * len(self.pairs) + 120 * len(self.sessions)
