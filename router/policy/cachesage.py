@@ -67,11 +67,12 @@ class CacheSage(RuntimeComponent):
         self.anchors: dict[str, int] = {}  # agent -> anchor tokens (last seen)
         self.session_of: dict[str, str] = {}  # live program -> its session
         self.agent_of: dict[str, str] = {}  # live program -> its agent
+        self._members: dict[str, dict[str, str]] = {}  # session -> {agent: its program}
         self._unpushed: set[str] = set()  # programs whose agent no engine was told yet
         self._warms: list[Warm] = []
         self._scores: dict[str, float] = {}  # last computed
         self._pushed: dict[str, float] | None = None
-        self._scored_version = -1
+        self._scored_epoch = -1
 
     @property
     def active(self) -> bool:
@@ -92,6 +93,7 @@ class CacheSage(RuntimeComponent):
         if event.agent is not None:
             if self.agent_of.get(pid) != event.agent:
                 self._unpushed.add(pid)
+                self._members.setdefault(session, {})[event.agent] = pid
             self.agent_of[pid] = event.agent
             if event.anchor_tokens > 0:
                 self.anchors[event.agent] = event.anchor_tokens
@@ -100,10 +102,14 @@ class CacheSage(RuntimeComponent):
 
     def _forget(self, pid: str) -> None:
         session = self.session_of.pop(pid, None)
-        self.agent_of.pop(pid, None)
+        agent = self.agent_of.pop(pid, None)
         self._unpushed.discard(pid)
+        members = self._members.get(session, {}) if session is not None else {}
+        if members.get(agent) == pid:  # type: ignore[arg-type]
+            del members[agent]  # type: ignore[arg-type]
         if session == pid:  # the root ended: the task is over
             self.learner.end_session(session)
+            self._members.pop(session, None)
 
     def _plan_warm(self, session: str, pid: str, agent: str) -> None:
         """A turn of `agent` started: warm the most likely next role's anchor."""
@@ -116,10 +122,7 @@ class CacheSage(RuntimeComponent):
         tokens = self.anchors.get(nxt, 0)
         if p < WARM_MIN_P or tokens <= 0:
             return
-        sibling = next(
-            (q for q, s in self.session_of.items() if s == session and self.agent_of.get(q) == nxt),
-            None,
-        )
+        sibling = self._members.get(session, {}).get(nxt)
         replica = (self.locate(sibling) if sibling else None) or self.locate(pid)
         if replica is not None:
             self._warms.append(Warm(replica, nxt, tokens))
@@ -128,9 +131,11 @@ class CacheSage(RuntimeComponent):
     def survival(self) -> dict[str, float]:
         """Agent -> P(it speaks within `horizon` turns of some live session); {} when the
         learnt structure is too weak to act on."""
+        if self._scored_epoch == self.learner.epoch:
+            return self._scores
+        self._scored_epoch = self.learner.epoch
         if not self.active:
-            return {}
-        if self._scored_version == self.learner.version:
+            self._scores = {}
             return self._scores
         agents, reach = self.learner.reach(self.horizon)
         index = {a: i for i, a in enumerate(agents)}
@@ -142,7 +147,6 @@ class CacheSage(RuntimeComponent):
             for j in range(len(agents)):
                 miss[j] *= (1.0 - reach[i, j]) ** n
         self._scores = {a: round(1.0 - miss[j], 4) for a, j in index.items()}
-        self._scored_version = self.learner.version
         return self._scores
 
     def score(self, item: Item) -> float | None:
@@ -161,6 +165,8 @@ class CacheSage(RuntimeComponent):
 
     # act ---------------------------------------------------------------------------------
     def act(self, now: float) -> list[Action]:
+        if not (self._warms or self._unpushed) and self._scored_epoch == self.learner.epoch:
+            return []  # nothing new since the last call (the common case, on every event)
         actions: list[Action] = []
         scores = self.survival()
         moved = self._pushed is None or _moved(self._pushed, scores)

@@ -5,7 +5,8 @@ Per session (a task: the root program and its subagents) the learner follows the
 over) or another subagent's; consecutive requests of one program in a tool loop are one
 turn. Each new turn after a previous one is a transition (previous agent -> this agent),
 counted over a sliding window of the last `window` transitions, so the estimate
-P(b | a) = n(a, b) / n(a) follows a workload whose routing drifts.
+P(b | a) = n(a, b) / n(a) follows a workload whose routing drifts. The derived R and K-step
+reach are refreshed every `refresh` transitions (they move slowly; the rows are exact).
 
 State is bounded: at most `max_agents` agents (later ones are not learnt), `window` pairs,
 `max_sessions` sessions (least recently active forgotten first); |A|^2 counts.
@@ -33,14 +34,23 @@ class _Session:
 class TransitionLearner:
     """Windowed first-order Markov counts over agent turns, with R and K-step reach."""
 
-    def __init__(self, window: int = 1024, max_agents: int = 64, max_sessions: int = 4096):
+    def __init__(
+        self,
+        window: int = 1024,
+        max_agents: int = 64,
+        max_sessions: int = 4096,
+        refresh: int = 16,
+    ) -> None:
         self.window, self.max_agents, self.max_sessions = window, max_agents, max_sessions
+        self.refresh = refresh
         self.rows: dict[str, Counter[str]] = {}
         self.nexts: Counter[str] = Counter()
         self.pairs: deque[tuple[str, str]] = deque()
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.version = 0  # bumped whenever the counts change
+        self.epoch = 0  # bumped whenever a turn starts or a session ends
         self._reach: tuple[int, int, list[str], np.ndarray] | None = None
+        self._r: tuple[int, float] = (-1, 0.0)
 
     # observing --------------------------------------------------------------------------
     def observe(self, session: str, program: str, agent: str | None) -> bool:
@@ -60,10 +70,12 @@ class TransitionLearner:
         if s.turn_agent is not None:
             self._count(s.turn_agent, agent)
         s.turn_agent, s.turn_program, s.handed_over = agent, program, False
+        self.epoch += 1
         return True
 
     def end_session(self, session: str) -> None:
-        self.sessions.pop(session, None)
+        if self.sessions.pop(session, None) is not None:
+            self.epoch += 1
 
     def _count(self, a: str, b: str) -> None:
         known = self.rows.keys() | self.nexts.keys()
@@ -101,14 +113,20 @@ class TransitionLearner:
     def r(self) -> float:
         """Relative conditional entropy reduction 1 - H(next | current) / H(next) over the
         window (0 with no data or one next agent): what the current agent tells of the next."""
-        r = entropy_reduction(self.rows)
-        return 0.0 if math.isnan(r) else max(0.0, r)
+        if self._stale(self._r[0]):
+            r = entropy_reduction(self.rows)
+            self._r = (self.version, 0.0 if math.isnan(r) else max(0.0, r))
+        return self._r[1]
 
     def reach(self, horizon: int) -> tuple[list[str], np.ndarray]:
         """(agents, H) with H[i, j] = P(agent j speaks within `horizon` turns after agent i),
-        exact under the learnt chain (a row with no data never reaches anyone). Cached
-        until the counts change. H_1 = P; H_k+1 = P + P H_k - P diag(H_k)."""
-        if self._reach is not None and self._reach[:2] == (self.version, horizon):
+        exact under the learnt chain (a row with no data never reaches anyone), refreshed as
+        `r` is. H_1 = P; H_k+1 = P + P H_k - P diag(H_k)."""
+        if (
+            self._reach is not None
+            and self._reach[1] == horizon
+            and not self._stale(self._reach[0])
+        ):
             return self._reach[2], self._reach[3]
         agents = sorted(self.rows.keys() | self.nexts.keys())
         index = {a: i for i, a in enumerate(agents)}
@@ -122,6 +140,15 @@ class TransitionLearner:
             h = p + p @ h - p * np.diag(h)[None, :]
         self._reach = (self.version, horizon, agents, h)
         return agents, h
+
+    def _stale(self, at: int) -> bool:
+        """A derived value computed at version `at` is due again: never computed, or the
+        counts moved since (on every change while few are known, else every `refresh`)."""
+        if at < 0:
+            return True
+        if self.version == at:
+            return False
+        return self.version < 2 * self.refresh or self.version - at >= self.refresh
 
     def current_agents(self) -> Counter[str]:
         """How many live sessions are in a turn of each agent."""

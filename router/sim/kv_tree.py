@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -83,6 +84,8 @@ class Node:
     anchor: str | None = None  # the anchor key of a named root segment
     children: list[Node] = field(default_factory=list)
     users: set[str] = field(default_factory=set)  # programs whose path runs through it
+    ranks: list[int] = field(default_factory=lambda: [0, 0, 0])  # users per hint rank
+    agents: Counter[str] = field(default_factory=Counter)  # users per agent role (if named)
     dev: int = 0
     host: int = 0
     lock: int = 0  # running requests (and warm-up prefills) holding it on device
@@ -152,6 +155,48 @@ class KVTree:
         if e is None:
             e = self.entries[pid] = Entry()
         return e
+
+    def set_hint(self, pid: str, hint: Hint) -> Entry:
+        """Type a program (its segments' ranks follow)."""
+        e = self.entry(pid)
+        if hint is not e.hint:
+            old, new = RANK[e.hint], RANK[hint]
+            for node in e.path:
+                node.ranks[old] -= 1
+                node.ranks[new] += 1
+            e.hint = hint
+        return e
+
+    def set_agent(self, pid: str, agent: str) -> None:
+        """Name a program's agent role (survival scores key on it)."""
+        e = self.entries.get(pid)
+        if e is None or e.agent == agent:
+            return
+        for node in e.path:
+            self._count_agent(node, e.agent, -1)
+            self._count_agent(node, agent, 1)
+        e.agent = agent
+
+    @staticmethod
+    def _count_agent(node: Node, agent: str | None, n: int) -> None:
+        if agent is not None:
+            node.agents[agent] += n
+            if node.agents[agent] <= 0:
+                del node.agents[agent]
+
+    def _join(self, node: Node, pid: str) -> None:
+        if pid not in node.users:
+            e = self.entries[pid]
+            node.users.add(pid)
+            node.ranks[RANK[e.hint]] += 1
+            self._count_agent(node, e.agent, 1)
+
+    def _part(self, node: Node, pid: str) -> None:
+        if pid in node.users:
+            e = self.entries[pid]
+            node.users.discard(pid)
+            node.ranks[RANK[e.hint]] -= 1
+            self._count_agent(node, e.agent, -1)
 
     # matching and admission -----------------------------------------------------------
     def match(
@@ -248,7 +293,7 @@ class KVTree:
         elif new > 0:
             base.append(self._attach(Node(new, last)))
         for node in base:
-            node.users.add(pid)
+            self._join(node, pid)
             self._set_dev(node, node.length)
             self.hold(node)
             node.last_use = now
@@ -317,6 +362,7 @@ class KVTree:
         """Cut `node` after `at` tokens: a new parent takes the first part, `node` keeps the
         rest (its users and children stay; the parent is used by all of them)."""
         head = Node(at, node.parent, users=set(node.users), lock=node.lock)
+        head.ranks, head.agents = list(node.ranks), Counter(node.agents)
         head.dev, head.host = min(node.dev, at), min(node.host, at)
         head.last_use, head.ready_at = node.last_use, node.ready_at
         head.prefetched = min(node.prefetched, head.dev)
@@ -343,7 +389,7 @@ class KVTree:
 
     def _leave(self, node: Node, pid: str) -> None:
         """`pid`'s path no longer runs through `node`: free it if nobody else holds it."""
-        node.users.discard(pid)
+        self._part(node, pid)
         if not node.users and node.anchor is None and not node.children and not node.lock:
             self._set_dev(node, 0)
             self._set_host(node, 0)
@@ -364,6 +410,7 @@ class KVTree:
             if not e.path and e.running is None:
                 del self.entries[pid]
         node.users.clear()
+        node.ranks, node.agents = [0, 0, 0], Counter()
 
     def _set_dev(self, node: Node, tokens: int) -> None:
         self.dev_used += tokens - node.dev
@@ -377,18 +424,16 @@ class KVTree:
     def rank(self, node: Node) -> int:
         """The most protective hint of the node's users (a shared prefix stays while any
         user needs it); a node nobody uses is inactive."""
-        if not node.users:
-            return _NOBODY
-        entries = self.entries
-        return max(RANK[entries[u].hint] for u in node.users)
+        ranks = node.ranks
+        return 2 if ranks[2] else 1 if ranks[1] else _NOBODY
 
     def survival(self, node: Node) -> float:
         """CacheSage: the best score of the agent roles that share the node (0 if private)."""
         if not self.scores or not node.shared:
             return 0.0
-        agents = {self.entries[u].agent for u in node.users}
-        agents.add(node.anchor)
-        return max((self.scores.get(a, 0.0) for a in agents if a is not None), default=0.0)
+        scores = self.scores
+        best = scores.get(node.anchor, 0.0) if node.anchor is not None else 0.0
+        return max(best, max((scores.get(a, 0.0) for a in node.agents), default=0.0))
 
     def victim_key(self, node: Node) -> tuple:
         """Smallest goes first: (type, survival, LRU) when typed, LRU otherwise."""
@@ -403,6 +448,9 @@ class KVTree:
         """Free `tokens` device tokens, leaf-first in victim order; False (and nothing
         freed) if the unlocked, allowed nodes cannot free that much. Tokens without a host
         copy are dropped."""
+        kept = sum(n.dev for n in keep if not n.lock)
+        if self.dev_used - self.locked_tokens - kept < tokens:
+            return False  # cheap bound: locked and kept tokens never go
         free = self._device_freeable(keep, allowed)
         if sum(n.dev for n in free) < tokens:
             return False

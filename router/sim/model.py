@@ -296,9 +296,8 @@ class ReplicaEngine:
         self._run(now)
         if self._typed:
             if full:
-                for pid, e in self.tree.entries.items():
-                    if pid not in hints:
-                        e.hint = Hint.INACTIVE
+                for pid in [p for p in self.tree.entries if p not in hints]:
+                    self.tree.set_hint(pid, Hint.INACTIVE)
             for pid, hint in hints.items():
                 self._apply_hint(pid, Hint(hint), now)
             self._interrupt(now)
@@ -313,9 +312,7 @@ class ReplicaEngine:
         self._run(now)
         self.tree.scores = {a: min(1.0, max(0.0, float(s))) for a, s in scores.items()}
         for pid, agent in (agents or {}).items():
-            e = self.tree.entries.get(pid)
-            if e is not None:
-                e.agent = agent
+            self.tree.set_agent(pid, agent)
 
     def warm(self, anchor: str, tokens: int, now: float) -> str:
         """Bring anchor `(anchor, tokens)` to device ahead of its next use (module
@@ -514,12 +511,9 @@ class ReplicaEngine:
 
     # hints and warm-ups ----------------------------------------------------------------------
     def _apply_hint(self, pid: str, hint: Hint, now: float) -> None:
-        e = self.tree.entries.get(pid)
-        if e is None:
-            if hint is Hint.INACTIVE:
-                return
-            e = self.tree.entry(pid)
-        e.hint = hint
+        if pid not in self.tree.entries and hint is Hint.INACTIVE:
+            return
+        e = self.tree.set_hint(pid, hint)
         if e.running is not None:
             return  # applied when the request leaves the batch (see _release)
         if hint is Hint.INACTIVE and not e.path:
