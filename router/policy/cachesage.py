@@ -28,6 +28,7 @@ from typing import Any
 
 from router.policy.base import PolicyConfig
 from router.policy.mori import MoriPolicy
+from router.policy.program import Program
 from router.policy.runtime import (
     Action,
     AgentEvent,
@@ -41,9 +42,10 @@ from router.policy.runtime import (
     Warm,
 )
 from router.policy.transitions import TransitionLearner
-from router.policy.types import Move, MoveReason
+from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
 HORIZON_TURNS = 2  # survival: P(the role speaks within this many turns of a session)
+ODDS_MAX = 0.5  # hand-over room: only programs less likely than this to speak soon move
 R_MIN = 0.15  # below this learnt R the structure is too weak: plain LRU
 MIN_TRANSITIONS = 32  # ... and until the window holds this many transitions
 WARM_MIN_P = 0.3  # warm the predicted next role only if P(next | current) reaches this
@@ -137,22 +139,37 @@ class CacheSage(RuntimeComponent):
         if not self.active:
             self._scores = {}
             return self._scores
-        agents, reach = self.learner.reach(self.horizon)
-        index = {a: i for i, a in enumerate(agents)}
-        miss = [1.0] * len(agents)
+        index, reach = self.learner.reach(self.horizon)
+        miss = [1.0] * len(index)
         for current, n in self.learner.current_agents().items():
             i = index.get(current)
             if i is None:
                 continue
-            for j in range(len(agents)):
+            for j in range(len(index)):
                 miss[j] *= (1.0 - reach[i, j]) ** n
         self._scores = {a: round(1.0 - miss[j], 4) for a, j in index.items()}
         return self._scores
 
-    def score(self, item: Item) -> float | None:
-        if item.kind is not ItemKind.ANCHOR:
+    def turn_odds(self, pid: str) -> float | None:
+        """P(the program's agent speaks within `horizon` turns of its session); 1 for the
+        session's root (it speaks between turns) and for the agent whose turn it is; None
+        when unknown or while the learnt structure is too weak."""
+        session, agent = self.session_of.get(pid), self.agent_of.get(pid)
+        if session is None or not self.active:
             return None
-        return self.survival().get(item.key, 0.0)
+        state = self.learner.sessions.get(session)
+        if pid == session or (state is not None and state.turn_agent == agent):
+            return 1.0
+        if agent is None or state is None or state.turn_agent is None:
+            return None
+        index, reach = self.learner.reach(self.horizon)
+        i, j = index.get(state.turn_agent), index.get(agent)
+        return None if i is None or j is None else float(reach[i, j])
+
+    def score(self, item: Item) -> float | None:
+        if item.kind is ItemKind.ANCHOR:
+            return self.survival().get(item.key, 0.0)
+        return self.turn_odds(item.key)
 
     def predict(self, now: float) -> Mapping[str, tuple[str, float]]:
         """Session -> (most likely next agent, its probability), for sessions mid-turn."""
@@ -198,7 +215,17 @@ def _moved(old: dict[str, float], new: dict[str, float]) -> bool:
 
 
 class CacheSagePolicy(MoriPolicy):
-    """MORI's tiers and typed hints, with CacheSage on the runtime layer beside them."""
+    """MORI's tiers and typed hints, with CacheSage on the runtime layer beside them.
+
+    One placement rule of its own (predict + act on MORI's tiers): a held request that
+    MORI's own rules left waiting may take GPU room from ACTING programs of its replica
+    that will not speak soon, least likely first: those of a session with a request held
+    at the gate (they wait for that turn to end) and, once the structure is learnt, those
+    whose turn odds are below `ODDS_MAX`; they go to CPU (hint idle) or WAITING as any
+    demotion does. In a
+    multi-agent task every role waits for the others' turns: without it, a role's first
+    turn can wait behind the GPU room of roles that are themselves waiting for that turn.
+    """
 
     name = "mori+cachesage"
 
@@ -220,6 +247,75 @@ class CacheSagePolicy(MoriPolicy):
         """Scores to push and anchors to warm (the engine takes a warm-up only when no
         request waits in it, and only room eviction would free before the anchor)."""
         return self.runtime.act(now)
+
+    # hand-over room ------------------------------------------------------------------------
+    def on_request(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        moves = super().on_request(program_id, now, context_tokens)
+        return moves + self._make_room(now)
+
+    def _after_response(self, p: Program, now: float) -> list[Move]:
+        return super()._after_response(p, now) + self._make_room(now)
+
+    def tick(self, now: float) -> list[Move]:
+        return super().tick(now) + self._make_room(now)
+
+    def _make_room(self, now: float) -> list[Move]:
+        """Room for the oldest held request that fits nowhere, from ACTING programs
+        predicted not to speak soon (see the class docstring); then MORI promotes."""
+        held = self._held_programs()
+        if not held:
+            return []
+        cs = self.cachesage
+        waiting = {cs.session_of.get(q.program_id) for q in held} - {None}
+        for q in held:
+            replica = self._target(q)
+            if replica is None:
+                continue
+            gpu = Placement(Tier.GPU, replica)
+            need = q.context_tokens - self.tiers.free(gpu)
+            victims = self._unlikely(gpu, need, waiting) if need > 0 else []
+            if victims:
+                cpu = Placement(Tier.CPU, replica)
+                moves = [
+                    self._move(p, self._fit_or_waiting(cpu, p), MoveReason.DEMOTE, now)
+                    for p in victims
+                ]
+                return moves + self._promote(now)
+        return []
+
+    def _target(self, q: Program) -> str | None:
+        """The replica a held program would run on: its CPU tier's, else its last one,
+        else the one with the most free GPU room."""
+        if q.placement.tier is Tier.CPU:
+            return q.placement.replica
+        replicas = self.tiers.replicas()
+        if q.last_replica in replicas:
+            return q.last_replica
+        return max(replicas, key=lambda r: self.tiers.free(Placement(Tier.GPU, r)), default=None)
+
+    def _unlikely(self, gpu: Placement, need: int, waiting: set) -> list[Program]:
+        """ACTING programs on `gpu` freeing `need` tokens, least likely to speak first
+        (larger first among equals); [] if those that qualify cannot free enough. A
+        program whose session has a request held at the gate waits for that turn: odds 0."""
+        cs = self.cachesage
+        pool = []
+        for p in self.tiers.members(gpu):
+            if p.status is not Status.ACTING:
+                continue
+            blocked = cs.session_of.get(p.program_id) in waiting
+            o = 0.0 if blocked else cs.turn_odds(p.program_id)
+            if o is not None and o < ODDS_MAX and p.demote_after_step is None:
+                pool.append((o, -p.context_tokens, p))
+        pool.sort(key=lambda t: t[:2])
+        chosen: list[Program] = []
+        for _, _, p in pool:
+            if need <= 0:
+                break
+            chosen.append(p)
+            need -= p.context_tokens
+        return chosen if need <= 0 else []
 
     # events the policy sees itself -----------------------------------------------------------
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:

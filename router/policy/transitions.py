@@ -5,8 +5,14 @@ Per session (a task: the root program and its subagents) the learner follows the
 over) or another subagent's; consecutive requests of one program in a tool loop are one
 turn. Each new turn after a previous one is a transition (previous agent -> this agent),
 counted over a sliding window of the last `window` transitions, so the estimate
-P(b | a) = n(a, b) / n(a) follows a workload whose routing drifts. The derived R and K-step
-reach are refreshed every `refresh` transitions (they move slowly; the rows are exact).
+P(b | a) = n(a, b) / n(a) follows a workload whose routing drifts. The K-step reach is
+refreshed every `refresh` transitions (it moves slowly; the rows are exact).
+
+How much structure there is to act on is measured out of sample (prequentially): each
+transition a -> b is first *predicted*, by the Laplace-smoothed P(b | a) and by the marginal
+P(b), and the learner keeps R = 1 - sum(-log P(b | a)) / sum(-log P(b)) over the window. In
+sample (the plug-in R that `mori trace stats` reports), a few transitions spread over many
+rows look predictable even when they are noise; out of sample they do not.
 
 State is bounded: at most `max_agents` agents (later ones are not learnt), `window` pairs,
 `max_sessions` sessions (least recently active forgotten first); |A|^2 counts.
@@ -46,11 +52,12 @@ class TransitionLearner:
         self.rows: dict[str, Counter[str]] = {}
         self.nexts: Counter[str] = Counter()
         self.pairs: deque[tuple[str, str]] = deque()
+        self.losses: deque[tuple[float, float]] = deque()  # per pair: -log2 P(b|a), P(b)
+        self._loss = [0.0, 0.0]
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.version = 0  # bumped whenever the counts change
         self.epoch = 0  # bumped whenever a turn starts or a session ends
-        self._reach: tuple[int, int, list[str], np.ndarray] | None = None
-        self._r: tuple[int, float] = (-1, 0.0)
+        self._reach: tuple[int, int, dict[str, int], np.ndarray] | None = None
 
     # observing --------------------------------------------------------------------------
     def observe(self, session: str, program: str, agent: str | None) -> bool:
@@ -81,10 +88,14 @@ class TransitionLearner:
         known = self.rows.keys() | self.nexts.keys()
         if len(known | {a, b}) > self.max_agents:
             return
+        self._predict(a, b, len(known | {a, b}) + 1)
         self.rows.setdefault(a, Counter())[b] += 1
         self.nexts[b] += 1
         self.pairs.append((a, b))
         if len(self.pairs) > self.window:
+            old = self.losses.popleft()
+            self._loss[0] -= old[0]
+            self._loss[1] -= old[1]
             old_a, old_b = self.pairs.popleft()
             row = self.rows[old_a]
             row[old_b] -= 1
@@ -96,6 +107,16 @@ class TransitionLearner:
             if not self.nexts[old_b]:
                 del self.nexts[old_b]
         self.version += 1
+
+    def _predict(self, a: str, b: str, k: int) -> None:
+        """Score the forecast of `a -> b` made before counting it (add-one over k agents)."""
+        row = self.rows.get(a, {})
+        cond = (row.get(b, 0) + 1) / (sum(row.values()) + k)
+        marg = (self.nexts.get(b, 0) + 1) / (len(self.pairs) + k)
+        loss = (-math.log2(cond), -math.log2(marg))
+        self.losses.append(loss)
+        self._loss[0] += loss[0]
+        self._loss[1] += loss[1]
 
     # estimates ------------------------------------------------------------------------------
     @property
@@ -111,15 +132,17 @@ class TransitionLearner:
         return {b: n / total for b, n in counts.items()}
 
     def r(self) -> float:
-        """Relative conditional entropy reduction 1 - H(next | current) / H(next) over the
-        window (0 with no data or one next agent): what the current agent tells of the next."""
-        if self._stale(self._r[0]):
-            r = entropy_reduction(self.rows)
-            self._r = (self.version, 0.0 if math.isnan(r) else max(0.0, r))
-        return self._r[1]
+        """Out-of-sample R over the window (module docstring): 1 - the conditional forecasts'
+        log loss / the marginal's; 0 with no data, negative when the current agent misleads."""
+        return 1.0 - self._loss[0] / self._loss[1] if self._loss[1] > 0 else 0.0
 
-    def reach(self, horizon: int) -> tuple[list[str], np.ndarray]:
-        """(agents, H) with H[i, j] = P(agent j speaks within `horizon` turns after agent i),
+    def r_in_sample(self) -> float:
+        """The plug-in R of the window's counts (as `mori trace stats` computes it)."""
+        r = entropy_reduction(self.rows)
+        return 0.0 if math.isnan(r) else r
+
+    def reach(self, horizon: int) -> tuple[dict[str, int], np.ndarray]:
+        """(index, H) with H[index[a], index[b]] = P(b speaks within `horizon` turns after a),
         exact under the learnt chain (a row with no data never reaches anyone), refreshed as
         `r` is. H_1 = P; H_k+1 = P + P H_k - P diag(H_k)."""
         if (
@@ -138,8 +161,8 @@ class TransitionLearner:
         h = p.copy()
         for _ in range(horizon - 1):
             h = p + p @ h - p * np.diag(h)[None, :]
-        self._reach = (self.version, horizon, agents, h)
-        return agents, h
+        self._reach = (self.version, horizon, index, h)
+        return index, h
 
     def _stale(self, at: int) -> bool:
         """A derived value computed at version `at` is due again: never computed, or the
@@ -158,4 +181,5 @@ class TransitionLearner:
         """Approximate memory of the learnt state (the paper bounds it at ~20 KB/workload)."""
         size = sys.getsizeof
         rows = sum(size(r) for r in self.rows.values()) + size(self.rows) + size(self.nexts)
-        return rows + size(self.pairs) + 16 * len(self.pairs) + 120 * len(self.sessions)
+        pairs = 2 * (size(self.pairs) + 16 * len(self.pairs))  # the pairs and their losses
+        return rows + pairs + 120 * len(self.sessions)
