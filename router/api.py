@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from router import identity
+from router.agent_identity import anchor_of
 from router.config import RouterConfig
 from router.controller import Router
 from router.errors import ApiError
@@ -74,6 +75,8 @@ def create_app(
         if isinstance(body.get("extra_body"), dict):
             body["extra_body"].pop("program_id", None)
         agent = agent_role(body.pop("agent", None), request.headers.get("x-agent-role"))
+        anchor = anchor_of(body)
+        parent = _parent(body.pop("parent_id", None), request.headers.get("x-parent-id"))
         stream = bool(body.get("stream", False))
         options = body.get("stream_options")
         call = Call(
@@ -86,7 +89,9 @@ def create_app(
             prompt_chars=len(raw),
             arrival=router.clock(),
             headers={h: request.headers[h] for h in PASSED_HEADERS if h in request.headers},
-            agent=agent,
+            agent=agent or (anchor.agent if anchor else None),
+            anchor=anchor,
+            parent=identity.namespace(key) + parent if parent else None,
         )
         return Exchange(router, call)
 
@@ -278,6 +283,16 @@ def agent_role(field: Any, header: str | None) -> str | None:
     ok = isinstance(field, str) and bool(field.strip())
     _require(ok, "`agent` must be a non-empty string", "agent")
     return field.strip()
+
+
+def _parent(field: Any, header: str | None) -> str | None:
+    """The program this one works for (a subagent's parent: its task for the agent runtime
+    layer): body `parent_id`, then the `X-Parent-Id` header."""
+    value = field if field is not None else ((header or "").strip() or None)
+    ok = value is None or (isinstance(value, str) and 0 < len(value) <= identity.MAX_ID_CHARS)
+    limit = identity.MAX_ID_CHARS
+    _require(ok, f"`parent_id` must be a string of 1 to {limit} characters", "parent_id")
+    return value
 
 
 def _number(v: Any) -> bool:

@@ -48,6 +48,12 @@ class RouterMetrics:
             ["src_tier", "dst_tier", "reason"],
             registry=r,
         )
+        self.warmups = Counter(
+            "mori_warmups",
+            "CacheSage warm-up requests by replica and outcome",
+            ["replica", "outcome"],
+            registry=r,
+        )
         self.gate_wait = Histogram(
             "mori_gate_wait_seconds",
             "time a request was held by the gate",

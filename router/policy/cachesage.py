@@ -90,7 +90,8 @@ class CacheSage(RuntimeComponent):
             return
         if event.kind is not EventKind.REQUEST:
             return
-        session = event.session or pid
+        parent = event.parent
+        session = event.session or (self.session_of.get(parent, parent) if parent else pid)
         self.session_of[pid] = session
         if event.agent is not None:
             if self.agent_of.get(pid) != event.agent:

@@ -50,6 +50,7 @@ class AgentEvent:
     session: str | None = None  # the task the program works on (its root program)
     anchor_tokens: int = 0  # the role's shared prefix (system prompt + tools)
     tool: str | None = None
+    parent: str | None = None  # the program this one works for, when the session is unknown
 
 
 class ItemKind(StrEnum):
