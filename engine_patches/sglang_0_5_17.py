@@ -7,6 +7,8 @@ What it installs (through SGLang's plugin hook registry, in every SGLang process
 - typed offload on hint transitions: idle -> demote the program's own backed-up device nodes,
   busy -> queue load-back of its host nodes for the next prefill;
 - busy-first admission: a stable re-sort after the scheduling policy's own order;
+- CacheSage survival scores (engine_patches/anchor_scores.py): nodes shared by several
+  programs order by (type rank, survival, LRU) once the router pushes scores;
 - control messages + HTTP routes POST /mori/hints and GET /mori/residency (docs/hint-protocol.md).
 
 Residency is exact and cheap: every hook that can change a node's tiers marks it dirty, and a
@@ -28,6 +30,8 @@ from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
+from engine_patches import anchor_scores
+from engine_patches.anchor_scores import AnchorScores
 from engine_patches.hint_book import HintBatch, HintBook, HintError
 from engine_patches.ranking import DEFAULT_HINT, CacheTier, busy_first, victim_key
 from engine_patches.residency import ResidencyLedger
@@ -99,6 +103,7 @@ class MoriEngine:
 
     def __init__(self) -> None:
         self.book = HintBook()
+        self.anchors = AnchorScores()
         self.ledger = ResidencyLedger()
         self.nodes: dict[int, Any] = {}  # node id -> TreeNode, for stamped/observed nodes
         self.dirty: dict[int, Any] = {}
@@ -223,6 +228,7 @@ class MoriEngine:
             "device_used_tokens": int(alloc.size - alloc.available_size()),
             "host_used_tokens": int(host.size - host.available_size()),
             "epoch": self.book.epoch,
+            "anchor_scores": dict(self.anchors.scores),
             "programs": {
                 p: {"hint": (self.book.hint(p) or DEFAULT_HINT).value}
                 | self.ledger.residency(p).as_json()
@@ -234,7 +240,9 @@ class MoriEngine:
         if self.cache is None:
             return {"error": "MORI needs HiCache: start with --enable-hierarchical-cache"}
         if op == "hints":
-            return self.apply_hints(HintBatch.parse(body))
+            batch = HintBatch.parse(body)
+            self.anchors.apply(body)
+            return self.apply_hints(batch)
         return self.residency()
 
 
@@ -243,11 +251,13 @@ ENGINE = MoriEngine()
 
 # --- SGLang types ----------------------------------------------------------------------------
 class MoriTypeStrategy(EvictionStrategy):
-    """(type rank, LRU): a device candidate is on device, a host candidate is evicted."""
+    """(type rank, survival, LRU): a device candidate is on device, a host candidate is
+    evicted; survival is CacheSage's score of a shared node (0 for the rest)."""
 
-    def get_priority(self, node: Any) -> tuple[int, float]:
+    def get_priority(self, node: Any) -> tuple[int, float, float]:
         tier = CacheTier.HOST if node.value is None else CacheTier.DEVICE
-        return victim_key(tier, ENGINE.hints_of(node), node.last_access_time)
+        rank, last_access = victim_key(tier, ENGINE.hints_of(node), node.last_access_time)
+        return rank, ENGINE.anchors.survival(ENGINE.ledger.programs_of(node.id)), last_access
 
 
 class MoriControlReqInput(BaseReq, kw_only=True):
@@ -408,6 +418,7 @@ def _install_http_routes() -> None:
             return _error("body is not valid JSON", 400)
         try:
             HintBatch.parse(body)
+            anchor_scores.parse(body)
         except HintError as exc:
             return _error(str(exc), 400)
         return await _ask_scheduler("hints", body)
