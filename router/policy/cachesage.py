@@ -148,7 +148,7 @@ class CacheSage(RuntimeComponent):
                 continue
             for j in range(len(index)):
                 miss[j] *= (1.0 - reach[i, j]) ** n
-        self._scores = {a: round(1.0 - miss[j], 4) for a, j in index.items()}
+        self._scores = {a: 1.0 - miss[j] for a, j in index.items()}
         return self._scores
 
     def turn_odds(self, pid: str) -> float | None:

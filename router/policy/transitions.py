@@ -50,7 +50,9 @@ class TransitionLearner:
         self.window, self.max_agents, self.max_sessions = window, max_agents, max_sessions
         self.refresh = refresh
         self.rows: dict[str, Counter[str]] = {}
+        self.out: Counter[str] = Counter()  # row sums: n(a)
         self.nexts: Counter[str] = Counter()
+        self.agents: set[str] = set()  # every agent learnt so far (at most max_agents)
         self.pairs: deque[tuple[str, str]] = deque()
         self.losses: deque[tuple[float, float]] = deque()  # per pair: -log2 P(b|a), P(b)
         self._loss = [0.0, 0.0]
@@ -85,11 +87,13 @@ class TransitionLearner:
             self.epoch += 1
 
     def _count(self, a: str, b: str) -> None:
-        known = self.rows.keys() | self.nexts.keys()
-        if len(known | {a, b}) > self.max_agents:
+        new = (a not in self.agents) + (b not in self.agents and b != a)
+        if new and len(self.agents) + new > self.max_agents:
             return
-        self._predict(a, b, len(known | {a, b}) + 1)
+        self.agents.update((a, b))
+        self._predict(a, b, len(self.agents) + 1)
         self.rows.setdefault(a, Counter())[b] += 1
+        self.out[a] += 1
         self.nexts[b] += 1
         self.pairs.append((a, b))
         if len(self.pairs) > self.window:
@@ -99,11 +103,12 @@ class TransitionLearner:
             old_a, old_b = self.pairs.popleft()
             row = self.rows[old_a]
             row[old_b] -= 1
+            self.out[old_a] -= 1
             self.nexts[old_b] -= 1
             if not row[old_b]:
                 del row[old_b]
             if not row:
-                del self.rows[old_a]
+                del self.rows[old_a], self.out[old_a]
             if not self.nexts[old_b]:
                 del self.nexts[old_b]
         self.version += 1
@@ -111,7 +116,7 @@ class TransitionLearner:
     def _predict(self, a: str, b: str, k: int) -> None:
         """Score the forecast of `a -> b` made before counting it (add-one over k agents)."""
         row = self.rows.get(a, {})
-        cond = (row.get(b, 0) + 1) / (sum(row.values()) + k)
+        cond = (row.get(b, 0) + 1) / (self.out[a] + k)
         marg = (self.nexts.get(b, 0) + 1) / (len(self.pairs) + k)
         loss = (-math.log2(cond), -math.log2(marg))
         self.losses.append(loss)
@@ -128,7 +133,7 @@ class TransitionLearner:
         counts = self.rows.get(a)
         if not counts:
             return {}
-        total = sum(counts.values())
+        total = self.out[a]
         return {b: n / total for b, n in counts.items()}
 
     def r(self) -> float:
