@@ -133,7 +133,9 @@ class KVTree:
         self.host_used = 0
         self.entries: dict[str, Entry] = {}
         self.anchors: dict[tuple[str, int], Node] = {}  # (key, tokens) -> root segment
-        self.nodes: set[Node] = set()
+        # every node, in creation order: victims that tie on their key go in this order, so a
+        # run is deterministic (a set would order them by memory address)
+        self.nodes: dict[Node, None] = {}
         self.scores: dict[str, float] = {}  # agent role -> survival in [0, 1]
         self.locked_tokens = 0  # distinct tokens held by running requests (and warm-ups)
         self._tie = itertools.count()  # heap tie-breaker (nodes do not compare)
@@ -348,7 +350,7 @@ class KVTree:
     def _attach(self, node: Node) -> Node:
         if node.parent is not None:
             node.parent.children.append(node)
-        self.nodes.add(node)
+        self.nodes[node] = None
         return node
 
     def anchor_node(self, key: str, tokens: int) -> Node:
@@ -369,7 +371,7 @@ class KVTree:
         if node.parent is not None:
             siblings = node.parent.children
             siblings[siblings.index(node)] = head
-        self.nodes.add(head)
+        self.nodes[head] = None
         node.parent = head
         head.children.append(node)
         node.length -= at
@@ -400,7 +402,7 @@ class KVTree:
         path of every user, and a program left with no path and no request is forgotten."""
         if node.parent is not None:
             node.parent.children.remove(node)
-        self.nodes.discard(node)
+        self.nodes.pop(node, None)
         if node.anchor is not None and self.anchors.get((node.anchor, node.length)) is node:
             del self.anchors[node.anchor, node.length]
         for pid in node.users:
@@ -471,7 +473,7 @@ class KVTree:
                 heapq.heappush(heap, self._heap_item(parent))
         return True
 
-    def _device_freeable(self, keep: set[Node], allowed) -> set[Node]:
+    def _device_freeable(self, keep: set[Node], allowed) -> dict[Node, None]:
         """Nodes whose device tokens may go: unlocked, not kept, allowed, and every child
         still on device freeable too (leaf-first)."""
         memo: dict[Node, bool] = {}
@@ -485,7 +487,7 @@ class KVTree:
                 memo[node] = done
             return done
 
-        return {n for n in self.nodes if n.dev and ok(n)}
+        return {n: None for n in self.nodes if n.dev and ok(n)}
 
     def evict_host(self, tokens: int, keep: set[Node]) -> None:
         """Free up to `tokens` host tokens from host-only copies (HiRadixCache.evict_host
