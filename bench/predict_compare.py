@@ -1,4 +1,4 @@
-"""mori+predict against mori on simulated replicas: does tool-duration prediction pay?
+"""mori against mori-priced (mori without its time scheduler): does tool-time prediction pay?
 
 Runs the discrete-event simulator (`router.sim.simulator`) for both policies on the same
 corpus, concurrency, CPU ratio and seed, prints them side by side with ratios, then the
@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
+from router.policy.mori import MoriPolicy
 from router.replay.trace import load_trace
 from router.sim.simulator import SimConfig, Simulation
 
@@ -39,7 +40,7 @@ DEFAULT_CORPORA = [
     "traces/generated-claude-code.jsonl:0.5",
     "traces/claude-code-sample.jsonl:0.15",
 ]
-POLICIES = ("mori", "mori+predict")
+POLICIES = ("mori-priced", "mori")
 GOAL_TOK, GOAL_TTFT, LOSS_TOK, LOSS_TTFT = 1.1, 0.8, 0.98, 1.02
 
 
@@ -61,13 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_one(path: str, config: SimConfig) -> dict:
-    """One simulated run; for mori+predict also the predictor's errors and outcomes."""
+    """One simulated run; for mori also the predictor's errors and outcomes."""
     sim = Simulation(load_trace(path), config)
     result = sim.run()
     out = {"corpus": path, "config": asdict(config), "result": result.to_dict()}
-    predictor = getattr(sim.policy, "predictor", None)
-    if predictor is not None:
-        out["errors"] = {k: asdict(v) for k, v in predictor.error_stats().items()}
+    if isinstance(sim.policy, MoriPolicy):
+        errors = sim.policy.predictor.error_stats()
+        out["errors"] = {k: asdict(v) for k, v in errors.items()}
         out["outcomes"] = dict(sim.policy.outcomes)
     return out
 
@@ -119,16 +120,16 @@ def summarize(runs: list[dict]) -> list[dict]:
             for metric in ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "moves"):
                 row[f"{policy}:{metric}"] = fmean(r[metric] for r in results)
         per_seed = sorted(
-            zip(by_policy["mori"], by_policy["mori+predict"], strict=True),
+            zip(by_policy["mori-priced"], by_policy["mori"], strict=True),
             key=lambda pair: pair[0]["config"]["seed"],
         )
         row["seed_ttft_ratios"] = [
             b["result"]["ttft_mean_s"] / max(a["result"]["ttft_mean_s"], 1e-9) for a, b in per_seed
         ]
-        row["tok_ratio"] = row["mori+predict:output_tok_s"] / max(row["mori:output_tok_s"], 1e-9)
-        row["ttft_ratio"] = row["mori+predict:ttft_mean_s"] / max(row["mori:ttft_mean_s"], 1e-9)
+        row["tok_ratio"] = row["mori:output_tok_s"] / max(row["mori-priced:output_tok_s"], 1e-9)
+        row["ttft_ratio"] = row["mori:ttft_mean_s"] / max(row["mori-priced:ttft_mean_s"], 1e-9)
         outcomes: Counter[str] = Counter()
-        for run in by_policy["mori+predict"]:
+        for run in by_policy["mori"]:
             outcomes.update(run.get("outcomes", {}))
         row["outcomes"] = dict(outcomes)
         rows.append(row)
@@ -137,24 +138,32 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def comparison_table(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
-    for col in ("corpus", "conc", "cpu", "tok/s mori", "tok/s +pred", "ratio"):
+    for col in ("corpus", "conc", "cpu", "tok/s priced", "tok/s mori", "ratio"):
         table.add_column(col, justify="right" if col != "corpus" else "left")
-    for col in ("TTFT mori", "TTFT +pred", "ratio", "per seed", "p99 mori", "p99 +pred", "verdict"):
+    for col in (
+        "TTFT priced",
+        "TTFT mori",
+        "ratio",
+        "per seed",
+        "p99 priced",
+        "p99 mori",
+        "verdict",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r['corpus']} x{r['scale']:g}",
             str(r["conc"]),
             f"{r['cpu']:g}",
+            f"{r['mori-priced:output_tok_s']:.1f}",
             f"{r['mori:output_tok_s']:.1f}",
-            f"{r['mori+predict:output_tok_s']:.1f}",
             f"{r['tok_ratio']:.3f}x",
+            f"{r['mori-priced:ttft_mean_s']:.2f} s",
             f"{r['mori:ttft_mean_s']:.2f} s",
-            f"{r['mori+predict:ttft_mean_s']:.2f} s",
             f"{r['ttft_ratio']:.3f}x",
             " ".join(f"{x:.2f}" for x in r["seed_ttft_ratios"]),
+            f"{r['mori-priced:ttft_p99_s']:.1f}",
             f"{r['mori:ttft_p99_s']:.1f}",
-            f"{r['mori+predict:ttft_p99_s']:.1f}",
             verdict(r["tok_ratio"], r["ttft_ratio"]),
         )
     return table
@@ -163,15 +172,15 @@ def comparison_table(rows: list[dict], title: str) -> Table:
 def outcomes_table(rows: list[dict]) -> Table:
     keys = sorted({k for r in rows for k in r["outcomes"]})
     table = Table(title="what the predictions did (sum over seeds)")
-    for col in ("corpus", "conc", "cpu", "moves mori", "moves +pred", *keys):
+    for col in ("corpus", "conc", "cpu", "moves priced", "moves mori", *keys):
         table.add_column(col, justify="right" if col != "corpus" else "left")
     for r in rows:
         table.add_row(
             f"{r['corpus']} x{r['scale']:g}",
             str(r["conc"]),
             f"{r['cpu']:g}",
+            f"{r['mori-priced:moves']:.0f}",
             f"{r['mori:moves']:.0f}",
-            f"{r['mori+predict:moves']:.0f}",
             *(str(r["outcomes"].get(k, 0)) for k in keys),
         )
     return table
@@ -183,7 +192,7 @@ def error_table(runs: list[dict]) -> Table:
     for run in runs:
         for kind, stats in run.get("errors", {}).items():
             acc.setdefault((Path(run["corpus"]).name, kind), []).append(stats)
-    table = Table(title="predictor error per tool kind (mori+predict runs, weighted by calls)")
+    table = Table(title="predictor error per tool kind (mori runs, weighted by calls)")
     cols = ("corpus", "kind", "calls", "mean actual", "mean pred", "|err| p50", "|err| p90")
     for col in (*cols, "rel p50", "rel p90"):
         table.add_column(col, justify="right" if col not in ("corpus", "kind") else "left")
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 progress.advance(task)
     rows = summarize(runs)
-    title = f"mori+predict vs mori, {args.preset}, {args.duration:g} s, {args.seeds} seeds"
+    title = f"mori vs mori-priced, {args.preset}, {args.duration:g} s, {args.seeds} seeds"
     console.print(comparison_table(rows, title))
     console.print(outcomes_table(rows))
     console.print(error_table(runs))

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from router.policy.base import PolicyConfig
 from router.sim.presets import PRESETS
 
 ENV_PREFIX = "MORI_"
 _DEFAULT_PRESET = PRESETS["h100-8b"]  # H100 + Llama-3.1-8B: the replicas MORI was built for
+_POLICY = PolicyConfig()
 
 
 class ConfigError(ValueError):
@@ -51,12 +54,22 @@ class RouterConfig(BaseModel):
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
     policy: str = "mori"
-    tick_s: float = Field(default=5.0, gt=0)
-    window: int = Field(default=4, ge=1)
-    lease_s: float = Field(default=900.0, gt=0)
-    hysteresis: float = Field(default=0.2, ge=0, le=1)
-    new_program_tokens: int = Field(default=2048, gt=0)
-    # KV copy cost GPU<->host, for mori+predict's offload benefit and load-back lead time
+    # policy knobs: the same names, defaults and meaning as PolicyConfig (docs/policy.md)
+    tick_s: float = Field(default=_POLICY.tick_s, gt=0)
+    window: int = Field(default=_POLICY.window, ge=1)
+    lease_s: float = Field(default=_POLICY.lease_s, gt=0)
+    hysteresis: float = Field(default=_POLICY.hysteresis, ge=0, le=1)
+    new_program_tokens: int = Field(default=_POLICY.new_program_tokens, gt=0)
+    aging_s: float | None = Field(default=_POLICY.aging_s, ge=0)
+    displace_margin: float = Field(default=_POLICY.displace_margin, gt=0)
+    prefill_s_per_token: float = Field(default=_POLICY.prefill_s_per_token, gt=0)
+    predict_lead_s: float = Field(default=_POLICY.predict_lead_s, ge=0)
+    predict_grace_s: float = Field(default=_POLICY.predict_grace_s, ge=0)
+    ewma_alpha: float = Field(default=_POLICY.ewma_alpha, gt=0, le=1)
+    hint_alpha: float = Field(default=_POLICY.hint_alpha, ge=0, le=1)
+    smg_offload: bool = _POLICY.smg_offload
+    # KV copy cost GPU<->host (PolicyConfig.load_s_per_token), the reload price MORI starts
+    # from before it has measured the replicas' own
     kv_bytes_per_token: int = Field(default=_DEFAULT_PRESET.kv_bytes_per_token, gt=0)
     pcie_gbps: float = Field(default=_DEFAULT_PRESET.pcie_bytes_s / 1e9, gt=0)  # GB/s, one way
     gate_timeout_s: float = Field(default=300.0, gt=0)
@@ -78,6 +91,14 @@ class RouterConfig(BaseModel):
     def load_s_per_token(self) -> float:
         """Seconds to copy one token's KV one way over PCIe (as the simulator's preset)."""
         return self.kv_bytes_per_token / (self.pcie_gbps * 1e9)
+
+    def policy_config(self) -> PolicyConfig:
+        """Every PolicyConfig knob, from the field of the same name (load_s_per_token is
+        derived from kv_bytes_per_token and pcie_gbps)."""
+        knobs = {
+            f.name: getattr(self, f.name) for f in fields(PolicyConfig) if f.name in POLICY_KNOBS
+        }
+        return PolicyConfig(**knobs, load_s_per_token=self.load_s_per_token)
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -103,6 +124,9 @@ class RouterConfig(BaseModel):
         return self
 
 
+POLICY_KNOBS = {f.name for f in fields(PolicyConfig)} - {"load_s_per_token"}
+
+
 def _from_file(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
@@ -126,10 +150,26 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is None or raw == "":
             continue
-        if name in ("replicas", "api_keys", "admin_key", "host", "policy", "log_level"):
-            out[name] = raw if not raw.lstrip().startswith(("[", "{")) else yaml.safe_load(raw)
-        else:
-            out[name] = yaml.safe_load(raw)
+        out[name] = _env_value(name, raw)
+    return out
+
+
+def _env_value(name: str, raw: str) -> Any:
+    """A setting's value from text: YAML, except that plain strings stay strings."""
+    if name in ("replicas", "api_keys", "admin_key", "host", "policy", "log_level"):
+        return raw if not raw.lstrip().startswith(("[", "{")) else yaml.safe_load(raw)
+    return yaml.safe_load(raw)
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """`--set FIELD=VALUE` flags: values are read as YAML, like MORI_<FIELD> env vars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in RouterConfig.model_fields:
+            raise ConfigError(f"--set takes FIELD=VALUE with a known setting, got {item!r}")
+        out[name] = _env_value(name, raw)
     return out
 
 

@@ -22,7 +22,7 @@ from router.config import RouterConfig
 from router.engines import HintsUnsupported, Replica, make_replicas
 from router.gate import Gate
 from router.metrics import RouterMetrics
-from router.policy import Policy, PolicyConfig, make_policy
+from router.policy import Policy, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity
 
@@ -37,17 +37,6 @@ DEFAULT_CHARS_PER_TOKEN = 4.0
 EMA_ALPHA = 0.3
 
 
-def policy_config(config: RouterConfig) -> PolicyConfig:
-    return PolicyConfig(
-        window=config.window,
-        tick_s=config.tick_s,
-        lease_s=config.lease_s,
-        hysteresis=config.hysteresis,
-        new_program_tokens=config.new_program_tokens,
-        load_s_per_token=config.load_s_per_token,
-    )
-
-
 class Router:
     """State of one live router process: policy, replicas, gate, metrics, loops."""
 
@@ -59,7 +48,7 @@ class Router:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.policy = policy or make_policy(config.policy, policy_config(config))
+        self.policy = policy or make_policy(config.policy, config.policy_config())
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
         self.client, self.pools, self.replicas = make_replicas(config)
@@ -228,9 +217,11 @@ class Router:
         )
 
     def end_program(self, program_id: str) -> bool:
+        """Forget the program; a request of it held at the gate is answered at once."""
         if program_id not in self.policy.programs:
             return False
         self.apply(self.policy.end(program_id, self.clock()))
+        self.gate.end(program_id)
         self._chars_per_token.pop(program_id, None)
         return True
 

@@ -31,7 +31,7 @@ from router.agent_identity import Anchor
 from router.controller import Router
 from router.engines import Replica
 from router.errors import ApiError, error_body
-from router.gate import GateTimeout
+from router.gate import GateTimeout, ProgramEnded
 
 log = logging.getLogger("mori.exchange")
 
@@ -118,6 +118,10 @@ class Exchange(Response):
                     headers={"retry-after": retry},
                 ),
             )
+        except ProgramEnded:
+            self.outcome = "ended"
+            message = "the program was ended while this request waited for a GPU"
+            await self._error(send, ApiError(409, message, code="program_ended"))
         except ApiError as e:
             self.outcome = "error"
             await self._error(send, e)
@@ -131,12 +135,20 @@ class Exchange(Response):
 
     async def _attempts(self, send: Send, deadline: float) -> None:
         r, pid, policy = self.router, self.call.program_id, self.router.policy
+        tokens = r.estimate_tokens(pid, self.call.prompt_chars)
+        budget = policy.largest_gpu_budget()
+        if budget is not None and tokens > budget:
+            raise ApiError(
+                400,
+                f"the prompt is about {tokens} tokens, more than any replica's GPU KV budget "
+                f"({budget} tokens)",
+                param="messages",
+                code="context_length_exceeded",
+            )
         r.observe_request(self.call)
         for _ in range(r.config.max_retries + 1):
             try:
-                moves = policy.on_request(
-                    pid, r.clock(), r.estimate_tokens(pid, self.call.prompt_chars)
-                )
+                moves = policy.on_request(pid, r.clock(), tokens)
             except ValueError as e:  # a second request in flight despite the turn lock
                 raise ApiError(409, str(e), code="program_busy") from None
             r.apply(moves)

@@ -17,6 +17,10 @@ class GateTimeout(Exception):
     """The request was not let through before its deadline."""
 
 
+class ProgramEnded(Exception):
+    """The program was ended while its request was held: nothing will place it now."""
+
+
 class Gate:
     """Per-program turn-taking and promotion wake-ups. Owns no policy state."""
 
@@ -24,6 +28,7 @@ class Gate:
         self._clock = clock
         self._turns: dict[str, tuple[asyncio.Lock, int]] = {}
         self._events: dict[str, asyncio.Event] = {}
+        self._ended: set[str] = set()  # held programs ended while waiting
         self.waiting = 0  # requests blocked in `until_routed`
 
     @contextlib.asynccontextmanager
@@ -60,12 +65,22 @@ class Gate:
         self.waiting += 1
         try:
             while (replica := route()) is None:
+                if program_id in self._ended:
+                    raise ProgramEnded
                 event.clear()
                 await self._bounded(event.wait, deadline)
             return replica
         finally:
             self.waiting -= 1
             self._events.pop(program_id, None)
+            self._ended.discard(program_id)
+
+    def end(self, program_id: str) -> None:
+        """The program ended: its held request (if any) stops waiting at once."""
+        event = self._events.get(program_id)
+        if event is not None:
+            self._ended.add(program_id)
+            event.set()
 
     def wake_all(self) -> None:
         """Let every held request re-check `route()` (called after every batch of moves)."""

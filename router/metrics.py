@@ -112,7 +112,7 @@ class RouterMetrics:
         for result in ("ok", "error", "unsupported"):
             self.hint_pushes.labels(replica, result)
         self.hint_unsupported.labels(replica)
-        for outcome in ("ok", "error", "timeout", "client_disconnect", "retried"):
+        for outcome in ("ok", "error", "timeout", "ended", "client_disconnect", "retried"):
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
             family.labels(replica)

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from router.config import ConfigError, load_config
+from router.config import ConfigError, load_config, parse_settings
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +18,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", metavar="URL[,URL...]", help="engine replica base URLs")
     parser.add_argument("--host", help="listen address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
-    parser.add_argument("--policy", help="placement policy: mori, mori+predict, ta, ta+o, smg")
+    parser.add_argument("--policy", help="placement policy (default mori; see docs/policy.md)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any setting of the config file, e.g. --set aging_s=60 (repeatable; wins over all)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
     }
     try:
+        overrides.update(parse_settings(args.settings))
         config = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"mori serve: {e}", file=sys.stderr)

@@ -11,7 +11,9 @@ GPU1 = Placement(Tier.GPU, "r1")
 WAIT = Placement(Tier.WAITING)
 
 
-def make(name: str = "mori", replicas: int = 1, gpu: int = 1000, cpu: int = 1000, **cfg) -> Policy:
+def make(
+    name: str = "mori-paper", replicas: int = 1, gpu: int = 1000, cpu: int = 1000, **cfg
+) -> Policy:
     policy = make_policy(name, PolicyConfig(**cfg))
     for i in range(replicas):
         policy.add_replica(f"r{i}", ReplicaCapacity(gpu, cpu))

@@ -1,4 +1,4 @@
-"""mori+predict: benefit-gated offload at tool start and predictive promotion (Tokencake 4)."""
+"""mori's time scheduler: offload at tool start, predictive promotion (Tokencake 4)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.policy import PolicyConfig, make_policy
-from router.policy.predictive import PredictivePolicy
+from router.policy.mori import MoriPolicy
 from router.policy.types import Hint, MoveReason, Placement, ReplicaCapacity, Status, Tier
 
 GPU0, CPU0 = Placement(Tier.GPU, "r0"), Placement(Tier.CPU, "r0")
@@ -15,10 +15,13 @@ WAIT = Placement(Tier.WAITING)
 LOAD = 0.001  # s per token one way: 600 tokens load in 0.6 s
 
 
-def make(gpu: int = 1000, cpu: int = 1000, replicas: int = 1, **cfg) -> PredictivePolicy:
+def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> MoriPolicy:
+    """The predictive moves alone: mori's priced displacement and aging are switched off
+    (their rules have their own tests), so each move here is a prediction's."""
     cfg = {"load_s_per_token": LOAD, "predict_lead_s": 0.5, "predict_grace_s": 2.0} | cfg
-    policy = make_policy("mori+predict", PolicyConfig(**cfg))
-    assert isinstance(policy, PredictivePolicy)
+    cfg = {"displace_margin": 1e9, "aging_s": 0.0} | cfg
+    policy = make_policy("mori", PolicyConfig(**cfg))
+    assert isinstance(policy, MoriPolicy)
     for i in range(replicas):
         policy.add_replica(f"r{i}", ReplicaCapacity(gpu, cpu))
     return policy
@@ -241,7 +244,7 @@ EVENTS = st.lists(
 )
 
 
-def _check_invariants(policy: PredictivePolicy) -> None:
+def _check_invariants(policy: MoriPolicy) -> None:
     seen: dict[str, int] = {}
     for r in policy.tiers.replicas(healthy_only=False):
         for tier in (Tier.GPU, Tier.CPU):

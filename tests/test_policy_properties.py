@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from router.policy import PolicyConfig, make_policy, policy_names
 from router.policy.base import Policy
 from router.policy.baselines import ThunderAgentPolicy
-from router.policy.mori import MoriPolicy
+from router.policy.continuum import ContinuumPolicy
+from router.policy.mori_paper import MoriPaperPolicy
 from router.policy.types import WAITING, Placement, ReplicaCapacity, Status, Tier
 
 REPLICAS = ("r0", "r1", "r2")
@@ -46,12 +47,39 @@ def fits_somewhere(policy: Policy, p) -> bool:
     healthy = policy.tiers.replicas()
     if isinstance(policy, ThunderAgentPolicy):
         return any(policy.remaining(r) >= policy.cost(p) for r in healthy)
+    if isinstance(policy, ContinuumPolicy):
+        return continuum_head_fits(policy, p)
     if p.placement.tier is Tier.CPU:  # MORI: CPU programs keep their replica
         healthy = [p.placement.replica] if p.placement.replica in healthy else []
-    reserve = policy.promotion_reserve if isinstance(policy, MoriPolicy) else lambda r: 0
+    reserve = policy.promotion_reserve if isinstance(policy, MoriPaperPolicy) else lambda r: 0
     return any(
         p.context_tokens <= policy.tiers.free(Placement(Tier.GPU, r)) - reserve(r) for r in healthy
     )
+
+
+def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:
+    """Continuum blocks head-of-line: a held request may wait while it fits, but only
+    behind an earlier program's request (on its replica) that does not fit even with
+    every releasable pin released."""
+    replica = policy._replica_of(p)
+    if replica is None:
+        return False
+    gpu = Placement(Tier.GPU, replica)
+    queue = [
+        q
+        for q in policy._held_programs()
+        if q.placement.tier is not Tier.GPU and policy._replica_of(q) == replica
+    ]
+    head = min(queue, key=lambda q: q.created_s)
+    releasable = sum(
+        v.context_tokens
+        for v in policy.tiers.members(gpu)
+        if v.program_id in policy.pins
+        and v.status is Status.ACTING
+        and not v.pending
+        and v is not head
+    )
+    return head.context_tokens <= policy.tiers.free(gpu) + releasable
 
 
 def check_tiers(policy: Policy) -> None:
@@ -118,7 +146,7 @@ def play(policy: Policy, events) -> None:
         else:
             policy.set_healthy(args[0], args[1], now)
         check_tiers(policy)
-        if isinstance(policy, MoriPolicy) and not resized:
+        if isinstance(policy, MoriPaperPolicy | ContinuumPolicy) and not resized:
             check_immediate(policy)
         for pid in policy.programs:
             routed = policy.route(pid)
@@ -132,5 +160,5 @@ def play(policy: Policy, events) -> None:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=scenario)
 def test_invariants_hold_over_random_events(name: str, events) -> None:
-    # tick_s=0: every driver tick is a full rebalance (mori+predict skips it between periods)
+    # tick_s=0: every driver tick is a full rebalance (mori skips it between periods)
     play(make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0)), events)

@@ -314,7 +314,7 @@ def test_tool_start_and_end_endpoints(base):
     assert httpx.get(base + "/v1/programs/hooks-1").json()["steps"] == 2
 
 
-@pytest.mark.parametrize("policy", ["mori+predict", "ta", "ta+o", "smg"])
+@pytest.mark.parametrize("policy", ["mori-priced", "mori-paper", "continuum", "ta", "ta+o", "smg"])
 def test_every_policy_serves(replicas, policy):
     """The shell drives every registered policy the same way (baselines send no hints)."""
     with router(replicas, policy=policy) as url:

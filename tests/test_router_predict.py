@@ -1,4 +1,4 @@
-"""The live router driving `mori+predict`: copy cost from the config, policy wake-ups,
+"""The live router driving `mori`'s time scheduler: copy cost from the config, policy wake-ups,
 tool keys and agent roles from responses, and the tool hooks seen in the admin API."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
 from router.api import create_app
 from router.config import load_config
-from router.controller import Router, policy_config
+from router.controller import Router
 from router.policy import PolicyConfig
-from router.policy.predictive import PredictivePolicy
+from router.policy.mori import MoriPolicy
 from router.policy.types import ReplicaCapacity
 from router.sim.presets import PRESETS
 from tests.router_harness import (
@@ -32,13 +32,13 @@ from tests.router_harness import (
 
 def test_load_time_per_token_comes_from_the_config_as_in_the_simulator():
     preset = PRESETS["h100-8b"]
-    default = policy_config(load_config(None, {"replicas": ["http://r:1"]}, env={}))
+    default = load_config(None, {"replicas": ["http://r:1"]}, env={}).policy_config()
     assert default.load_s_per_token == pytest.approx(
         preset.kv_bytes_per_token / preset.pcie_bytes_s
     )
     moe = PRESETS["b200-70b-tp2"]
     env = {"MORI_KV_BYTES_PER_TOKEN": str(moe.kv_bytes_per_token), "MORI_PCIE_GBPS": "100"}
-    tuned = policy_config(load_config(None, {"replicas": ["http://r:1"]}, env=env))
+    tuned = load_config(None, {"replicas": ["http://r:1"]}, env=env).policy_config()
     assert tuned.load_s_per_token == pytest.approx(moe.kv_bytes_per_token / moe.pcie_bytes_s)
 
 
@@ -59,7 +59,7 @@ async def test_predicted_load_back_runs_on_a_wakeup_between_ticks():
     policy's wake-up can do it, and it must not spin while it waits."""
     url = "http://127.0.0.1:9"  # never contacted: the test drives the policy events itself
     config = load_config(None, {"replicas": [url], "tick_s": 600}, env={})
-    policy = PredictivePolicy(PolicyConfig(tick_s=0.2, predict_lead_s=1.5))
+    policy = MoriPolicy(PolicyConfig(tick_s=0.2, predict_lead_s=1.5))
     ticks: list[float] = []
     tick = policy.tick
     policy.tick = lambda now: ticks.append(now) or tick(now)  # count, then run for real
@@ -145,7 +145,7 @@ def test_anthropic_tool_use_blocks_give_the_predictor_key():
     assert openai_body(json.dumps(one).encode()).tool == "Edit"
 
 
-# --- end to end: OpenAI SDK -> mori serve --policy mori+predict -> mori emulate -----------
+# --- end to end: OpenAI SDK -> mori serve --policy mori -> mori emulate -----------
 BASH_TOOL = {
     "type": "function",
     "function": {
@@ -159,7 +159,7 @@ BASH_TOOL = {
 def predict_base():
     with (
         emulators(1, "--time-scale", "20") as replicas,
-        router(replicas, policy="mori+predict") as url,
+        router(replicas, policy="mori") as url,
     ):
         yield url
 
@@ -194,7 +194,7 @@ def test_tool_calls_and_tool_start_reach_the_predictor(predict_base):
 
 def test_agent_role_is_validated_and_stripped_before_forwarding():
     replica = ScriptedReplica()
-    with serve(replica) as url, router([url], policy="mori+predict") as base:
+    with serve(replica) as url, router([url], policy="mori") as base:
         body = {
             "model": "m",
             "max_tokens": 64,

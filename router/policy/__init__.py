@@ -12,8 +12,10 @@ from router.policy.base import Policy, PolicyConfig
 
 REGISTRY: dict[str, str] = {
     "mori": "router.policy.mori:MoriPolicy",
-    "mori+predict": "router.policy.predictive:PredictivePolicy",
+    "mori-priced": "router.policy.priced:PricedPolicy",
+    "mori-paper": "router.policy.mori_paper:MoriPaperPolicy",
     "mori+cachesage": "router.policy.cachesage:CacheSagePolicy",
+    "continuum": "router.policy.continuum:ContinuumPolicy",
     "ta": "router.policy.baselines:ThunderAgentPolicy",
     "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",
     "smg": "router.policy.baselines:SmgPolicy",

@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from router.policy.prices import ReplicaPrices
 from router.policy.program import Program
 from router.policy.tiers import Tiers
 from router.policy.types import (
@@ -49,11 +50,15 @@ class PolicyConfig:
     new_program_tokens: int = 2048  # context estimate before the first usage report
     smg_offload: bool = False  # smg baseline: engine host tier on/off
     load_s_per_token: float = 5e-6  # one-way GPU<->host KV copy per token (replica preset)
-    predict_lead_s: float = 0.5  # mori+predict: promote this long + load time before tool end
-    predict_grace_s: float = 5.0  # mori+predict: room held past a predicted end before demotion
-    ewma_alpha: float = 0.3  # mori+predict: weight of the newest tool duration
-    hint_alpha: float = 0.5  # mori+predict: weight of a client's predict_time (Tokencake eq. 1)
-    aging_s: float = 0.0  # mori: a request held this long goes first and may displace; 0: off
+    predict_lead_s: float = 0.5  # mori: promote this long + load time before tool end
+    predict_grace_s: float = 5.0  # mori: room held past a predicted end before demotion
+    ewma_alpha: float = 0.3  # mori: weight of the newest tool duration
+    hint_alpha: float = 0.5  # mori: weight of a client's predict_time (Tokencake eq. 1)
+    # a request held this long goes first and may displace; 0: off; None: the policy's
+    # default (mori: on, see docs/policy.md "Aging"; mori-paper: off)
+    aging_s: float | None = None
+    prefill_s_per_token: float = 5e-5  # recompute price before measurements (replica preset)
+    displace_margin: float = 1.0  # mori: a move pays if expected idle >= margin x its cost
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}
@@ -74,6 +79,7 @@ class Policy(ABC):
         self._held: dict[str, Program] = {}  # requests at the gate, in arrival order
         self._marked: dict[str, dict[str, Program]] = {}  # replica -> lazily demoted programs
         self.last_tool: dict[str, tuple[str, str | None]] = {}  # program -> (tool, agent role)
+        self.prices: dict[str, ReplicaPrices] = {}  # replica -> measured move costs
 
     @property
     def engine_mode(self) -> EngineMode:
@@ -83,6 +89,34 @@ class Policy(ABC):
     # replicas -------------------------------------------------------------------
     def add_replica(self, replica: str, capacity: ReplicaCapacity) -> None:
         self.tiers.add_replica(replica, capacity)
+        self.prices.setdefault(
+            replica,
+            ReplicaPrices.starting(self.config.prefill_s_per_token, self.config.load_s_per_token),
+        )
+
+    def observe_step(
+        self,
+        replica: str,
+        prompt_tokens: int,
+        cached_device: int,
+        cached_host: int,
+        ttft_s: float,
+        output_tokens: int = 0,
+        decode_s: float = 0.0,
+    ) -> None:
+        """What one answered request cost inside the engine (timed from forwarding): the
+        replica's prices follow it (`router.policy.prices`)."""
+        prices = self.prices.get(replica)
+        if prices is not None:
+            prices.observe(
+                prompt_tokens, cached_device, cached_host, ttft_s, output_tokens, decode_s
+            )
+
+    def largest_gpu_budget(self) -> int | None:
+        """The largest healthy replica's GPU budget (None: no healthy replica). A request
+        with a larger context is refused at once: it would wait at the gate forever."""
+        budgets = [self.tiers.capacity[r].gpu_tokens for r in self.tiers.replicas()]
+        return max(budgets) if budgets else None
 
     def set_capacity(self, replica: str, capacity: ReplicaCapacity) -> None:
         """New budgets (refreshed from the engine); the next tick fixes any overflow."""
@@ -255,7 +289,7 @@ class Policy(ABC):
         if dst.replica is not None:
             self._pending_hints[dst.replica][p.program_id] = HINT_OF_TIER[dst.tier]
         if dst.tier is Tier.GPU and p.pending:
-            p.start_reasoning(now)
+            self._start(p, now)
         return Move(p.program_id, src, dst, reason)
 
     def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
@@ -282,11 +316,14 @@ class Policy(ABC):
         for p in self._marked.pop(replica, {}).values():
             p.demote_after_step = None
 
-    @staticmethod
-    def _release(p: Program, now: float) -> None:
+    def _release(self, p: Program, now: float) -> None:
         """Let a gated request through to its program's GPU replica (no move needed)."""
         if p.pending and p.placement.tier is Tier.GPU:
-            p.start_reasoning(now)
+            self._start(p, now)
+
+    def _start(self, p: Program, now: float) -> None:
+        """The gate lets `p`'s request through (a hook: policies may time the wait)."""
+        p.start_reasoning(now)
 
     @abstractmethod
     def _admit(self, p: Program, now: float) -> list[Move]:

@@ -1,442 +1,279 @@
-"""MORI's placement policy (MORI 4.3.1): idleness-ranked tiers with sticky moves.
+"""`mori`, the default policy: MORI's tiers, made work-conserving, with Tokencake's time scheduler.
 
-Per replica r a GPU(r) and a CPU(r) tier, one global WAITING tier. Every rule here is
-a rule of the paper; the choices the paper leaves open are explained in docs/policy.md.
+Three layers, each registered for the ablation in every report:
 
-* Demotion (tick, or a GPU tier over budget after a step): ACTING victims before
-  REASONING ones, most idle first. A REASONING victim is only marked and moves after its
-  step (`Program.demote_after_step`), but its tokens count as freed at once, so one
-  overflow marks exactly the victims it needs. Victims go to CPU(r) if it fits, else
-  WAITING.
-* CPU overflow: the most idle CPU programs fall to WAITING.
-* Promotion into free room, by class: (1) CPU programs with a request (they keep their
-  replica), (2) returning WAITING programs with a request, (3) new programs, smallest
-  first; least idle first within a class. WAITING promotions are packed by size
-  decreasing onto the program's last replica when it fits, else the replica with the
-  most room.
-* Growth reserve (ours; see docs/policy.md): promotions leave free, per replica, the
-  last-step context growth of its REASONING programs, so their steps' growth does not
-  overflow a brim-full tier and force a demotion (and a promotion back) per step.
-* Stickiness: nothing moves without a capacity violation, or a phase mismatch: a
-  class-1/2 request that does not fit may displace ACTING GPU programs of its target
-  replica that are more idle than it by at least `hysteresis`.
-* Immediate admission: an arrival runs the same promotion pass (without displacement),
-  so a request that fits never waits for a tick, and never jumps a higher class.
-* Aging (our addition, not in the paper; `aging_s`, 0 turns it off): a request held at
-  the gate for `aging_s` goes before every class, oldest first, and at a tick may swap
-  out ACTING programs whatever their idleness, so no program starves behind busier ones.
+* `mori-paper` (router.policy.mori_paper): MORI 4.3.1 as the paper states it;
+* `mori-priced` (router.policy.priced): held requests of every class may move ACTING
+  programs off the GPU when the move pays (expected remaining tool time against the
+  measured reload/recompute price and recent return waits), aging on;
+* `mori` (here): plus two moves driven by a forecast of each tool call's duration
+  (`router.policy.predictor`), Tokencake section 4, measured to pay on the real Claude
+  Code sample (+16 to +37 % output tok/s at 50-80 programs, token scale 0.5) and to cost
+  nothing measurable elsewhere (docs/policy.md):
+
+* **Offload at tool start** (Tokencake Algorithm 1): when a GPU program starts a tool
+  call, its KV is moved to its replica's CPU tier (`OFFLOAD_TOOL`, hint idle) only if
+  the benefit beats the transfer cost:
+
+      benefit = (T_fc - T_transfer) * value,   T_transfer = 2 * load_s_per_token * context
+
+  where `value` in [0, 1] is the share of the freed tokens that requests waiting at the
+  gate (whose step fits in the window) would fill right now, and the window must be at
+  least `tick_s`. No waiting demand, no offload: an idle GPU copy costs nothing when
+  nobody wants the room.
+
+* **Predictive promotion**: shortly before a CPU program's predicted tool end (lead =
+  load-back time + `predict_lead_s`) it is moved back to its GPU tier
+  (`PROMOTE_PREDICTED`, hint busy, so the engine loads it back before the request comes),
+  but only into free room nobody at the gate could use, never by displacing anyone. A
+  request that comes earlier is promoted the normal MORI way. A prediction that was too
+  short holds GPU room while the program still acts: that is bounded, since at
+  predicted end + `predict_grace_s` the program loses its protection and, if the gate
+  wants the room, goes back to CPU.
+
+The forecast needs finer timing than MORI's tick: `next_wakeup(now)` says when the
+shell should call `tick` next; between full periods `tick` only runs the predictive
+checks, so MORI's own rebalance keeps its `tick_s` cadence.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable
-from dataclasses import replace
+from collections import Counter
+from typing import Any
 
-from router.policy.base import Policy, PolicyConfig
+from router.policy.base import PolicyConfig
+from router.policy.mori_paper import Idleness
+from router.policy.priced import PricedPolicy, ToolCall
 from router.policy.program import Program
-from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
+from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
-Idleness = Callable[[Program], float]
-
-
-def _memo_idleness(now: float) -> Idleness:
-    """Idleness at `now`, computed once per program per pass (a pass ranks many times)."""
-    cache: dict[str, float] = {}
-
-    def idleness(p: Program) -> float:
-        value = cache.get(p.program_id)
-        if value is None:
-            value = cache[p.program_id] = p.idleness(now)
-        return value
-
-    return idleness
+_EPS = 1e-9
+DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
 
 
-class MoriPolicy(Policy):
-    """Idleness-driven GPU/CPU/WAITING tiering (the product's default policy)."""
+class MoriPolicy(PricedPolicy):
+    """Work-conserving MORI plus tool-duration prediction: benefit-gated offload at tool
+    start and predictive promotion (the default policy)."""
 
     name = "mori"
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
-        self._context_after: dict[str, int] = {}  # context after each program's last step
-        self._growth: dict[str, int] = {}  # context growth of its last step (tokens)
+        self.protected_until: dict[str, float] = {}  # predicted-promoted: safe from demotion
+        self._next_rebalance_s = float("-inf")
+        self.step_s = DEFAULT_STEP_S  # EWMA of observed reasoning (engine) time per step
+        # What the predictions did, for reports: offloads, predicted promotions, and how
+        # offloaded programs came back (already on GPU, or before their promotion).
+        self.outcomes: Counter[str] = Counter()
 
-    def promotion_reserve(self, replica: str) -> int:
-        """Room promotions leave free on GPU(replica): the last-step growth of its
-        REASONING programs, i.e. what the tier will grow by when their steps end.
+    # cost model --------------------------------------------------------------------
+    def load_s(self, p: Program) -> float:
+        """One-way GPU<->host copy time of the program's KV."""
+        return self.config.load_s_per_token * p.context_tokens
 
-        Agent contexts grow every step (tool result + output). A tier packed to the brim
-        overflows at the next step end, and the demotion that fixes a ~1k-token overflow
-        moves a whole ~50k-token program, whose room the gate refills at once: one swap
-        per step (generated corpus, 80 programs: ~580 demotions/h, most victims back
-        within 1 s, 17% of prompt tokens recomputed). Demotion still triggers only above
-        the budget, so the reserve is a band between the promotion and the demotion
-        watermarks. ACTING programs reserve nothing: most idle ones are the victims, and
-        reserving for them held GPU room empty on the idle-heavy Claude Code sample.
-        """
-        gpu = Placement(Tier.GPU, replica)
-        reasoning = Status.REASONING
-        return sum(
-            self._growth.get(p.program_id, 0)
-            for p in self.tiers.members(gpu)
-            if p.status is reasoning
-        )
+    def promote_at(self, p: Program) -> float | None:
+        """When a CPU program of an ongoing call should start loading back."""
+        call = self.calls.get(p.program_id)
+        if call is None or call.promote_tried or call.ended_s is not None:
+            return None
+        return call.predicted_end_s - self.load_s(p) - self.config.predict_lead_s
 
-    # events ---------------------------------------------------------------------------
-    def _admit(self, p: Program, now: float) -> list[Move]:
-        if p.placement.tier is Tier.GPU:
-            self._release(p, now)
-            return []
+    def offload_benefit(self, p: Program, predicted_s: float) -> tuple[float, float]:
+        """(benefit, cost) in seconds of Algorithm 1 for offloading `p` now.
+
+        As in Tokencake, waiting work only counts if its step can finish inside the
+        window (`expected_step_s`): freeing room for a step that outlasts the tool call
+        just swaps two programs back and forth. And the window must last a tick: MORI's
+        tiers are sticky, so the room comes back to `p` only through a rebalance; for
+        shorter calls the measured effect was churn (docs/prediction.md)."""
+        cost = 2.0 * self.load_s(p)
+        window = predicted_s - cost
+        if window < self.config.tick_s or p.context_tokens <= 0:
+            return 0.0, cost
+        replica = p.placement.replica
+        free = max(0, self.tiers.free(Placement(Tier.GPU, replica)))
+        room = free + p.context_tokens
+        filled = 0
+        demand = (q for q in self._gated_demand(replica) if self.expected_step_s(q) <= window)
+        for tokens in sorted(q.context_tokens for q in demand):
+            if filled + tokens > room:
+                break
+            filled += tokens
+        value = min(1.0, max(0, filled - free) / p.context_tokens)
+        return window * value, cost
+
+    def expected_step_s(self, q: Program) -> float:
+        """How long q's next step should take: its recent mean, else the fleet's EWMA."""
+        if q.cycles:
+            return sum(r for r, _ in q.cycles) / len(q.cycles)
+        return self.step_s
+
+    def _gated_demand(self, replica: str | None) -> list[Program]:
+        """Programs whose request waits at the gate and could run on `replica`."""
+        cpu = Placement(Tier.CPU, replica)
         return [
-            replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
-            for m in self._promote(now)
+            q
+            for q in self._held_programs()
+            if q.placement == cpu or q.placement.tier is Tier.WAITING
         ]
 
-    def _after_response(self, p: Program, now: float) -> list[Move]:
-        """A step ended: its context may have grown past the budget, and a lazy demotion
-        may have freed room that waiting requests can use right away."""
-        before = self._context_after.get(p.program_id)
-        self._context_after[p.program_id] = p.context_tokens
-        if before is not None:
-            self._growth[p.program_id] = max(0, p.context_tokens - before)
-        moves = self._demote(p.placement.replica, now) if p.placement.tier is Tier.GPU else []
-        return moves + self._promote(now)
+    def _ranking(self, now: float) -> Idleness:
+        """Protected (predicted-promoted, not yet overdue) programs rank least idle: they
+        are demoted last and never displaced by a swap, until their protection expires."""
+        base = super()._ranking(now)
+
+        def idleness(p: Program) -> float:
+            return -1.0 if p.program_id in self.protected_until else base(p)
+
+        return idleness
+
+    # events --------------------------------------------------------------------------
+    def on_tool_start(
+        self,
+        program_id: str,
+        now: float,
+        tool: str,
+        agent: str | None = None,
+        predict_s: float | None = None,
+    ) -> list[Move]:
+        super().on_tool_start(program_id, now, tool, agent, predict_s)
+        p = self.programs.get(program_id)
+        if p is None or p.status is not Status.ACTING:
+            return []
+        self.protected_until.pop(program_id, None)
+        if p.placement.tier is not Tier.GPU or p.demote_after_step is not None:
+            return []
+        benefit, cost = self.offload_benefit(p, self.calls[program_id].predicted_s)
+        cpu = Placement(Tier.CPU, p.placement.replica)
+        if benefit <= cost or not self.tiers.fits(cpu, p.context_tokens):
+            return []
+        self.outcomes["offload_at_tool_start"] += 1
+        return [self._move(p, cpu, MoveReason.OFFLOAD_TOOL, now)] + self._promote(now)
+
+    def on_tool_end(self, program_id: str, now: float) -> list[Move]:
+        """The call finished early or on time: learn from it, load the KV back if room."""
+        call = self.calls.get(program_id)
+        p = self.programs.get(program_id)
+        if call is None or p is None or call.ended_s is not None:
+            return []
+        self.observe_call(program_id, now)
+        cpu_moves = []
+        gpu = Placement(Tier.GPU, p.placement.replica)
+        if p.placement.tier is Tier.CPU and self._room_for(p, gpu):
+            cpu_moves.append(self._move(p, gpu, MoveReason.PROMOTE_CPU, now))
+        return cpu_moves
+
+    def on_response(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        moves = super().on_response(program_id, now, context_tokens)
+        p = self.programs.get(program_id)
+        if p is not None and p.status is Status.ACTING:
+            a = self.config.ewma_alpha
+            self.step_s = a * p.reasoning_s + (1 - a) * self.step_s
+        return moves
+
+    def on_request(
+        self, program_id: str, now: float, context_tokens: int | None = None
+    ) -> list[Move]:
+        call = self.calls.get(program_id)
+        p = self.programs.get(program_id)
+        if call is not None and p is not None:
+            self._count_return(call, p)
+        self.protected_until.pop(program_id, None)
+        return super().on_request(program_id, now, context_tokens)
 
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
-        """An ended program's room goes to the gate at once, not at the next tick."""
+        self.protected_until.pop(program_id, None)
         moves = super().end(program_id, now, reason)
-        self._context_after.pop(program_id, None)
-        self._growth.pop(program_id, None)
-        return moves + self._promote(now) if moves else moves
+        return moves + self._predictive_promotions(now) if moves else moves
 
-    def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
-        """A drained replica's held requests are re-placed on healthy replicas at once."""
-        moves = super().set_healthy(replica, healthy, now)
-        return moves if healthy else moves + self._promote(now)
+    def _after_response(self, p: Program, now: float) -> list[Move]:
+        """Room a step freed goes to the gate first (MORI), then to due predictions."""
+        return super()._after_response(p, now) + self._predictive_promotions(now)
 
-    def _rebalance(self, now: float) -> list[Move]:
+    def tick(self, now: float) -> list[Move]:
+        """A full MORI tick every `tick_s`; extra wake-ups run only the predictive checks."""
         moves: list[Move] = []
-        for r in self.tiers.replicas():
-            moves += self._demote(r, now)
-            moves += self._cpu_overflow(r, now)
-        return moves + self._promote(now, displace=True)
+        if now + _EPS >= self._next_rebalance_s:
+            self._next_rebalance_s = now + self.config.tick_s
+            moves += super().tick(now)
+        return moves + self._expire_protection(now) + self._predictive_promotions(now)
 
-    def _ranking(self, now: float) -> Idleness:
-        """The idleness that ranks victims and candidates in one pass (a hook: mori+predict
-        ranks programs it promoted ahead of a predicted tool end as least idle)."""
-        return _memo_idleness(now)
+    def next_wakeup(self, now: float) -> float | None:
+        """The earliest time after `now` a predictive check has work (None: none); the
+        shell calls `tick` then. Due promotions that found no room are retried when room
+        frees (after a response or an end) and at later ticks, never in a busy loop."""
+        times = list(self.protected_until.values())
+        for pid in self.calls:
+            p = self.programs.get(pid)
+            if p is not None and p.placement.tier is Tier.CPU:
+                times.append(self.promote_at(p))
+        future = [t for t in times if t is not None and t > now + _EPS]
+        return min(future) if future else None
 
-    # demotion -------------------------------------------------------------------------
-    def _demote(self, replica: str | None, now: float) -> list[Move]:
-        """Bring GPU(replica) back within budget, counting lazily demoted tokens as freed.
+    def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
+        """Adds the forecast of the tool call the program is in: its predicted duration,
+        and seconds left until its predicted end (negative: overdue; None once ended)."""
+        view = super().describe(program_id, now)
+        if view is None:
+            return None
+        call = self.calls.get(program_id)
+        view["predicted_tool_s"] = None if call is None else round(call.predicted_s, 3)
+        ended = call is None or call.ended_s is not None
+        view["predicted_tool_end_s"] = None if ended else round(call.predicted_end_s - now, 3)
+        return view
 
-        Marks are recomputed from scratch each time: a mark that is no longer needed
-        (room came back before the step ended) is dropped, which is the sticky choice.
-        """
-        if replica is None:
-            return []
-        gpu = Placement(Tier.GPU, replica)
-        excess = self.tiers.used(gpu) - self.tiers.budget(gpu)
-        self._clear_marks(replica)
-        if excess <= 0:
-            return []
-        idleness = self._ranking(now)
-        members = list(self.tiers.members(gpu))
-        acting = sorted(
-            (p for p in members if p.status is Status.ACTING), key=idleness, reverse=True
-        )
-        cpu = Placement(Tier.CPU, replica)
-        moves = []
-        for p in acting:
-            if excess <= 0:
-                break
-            excess -= p.context_tokens
-            moves.append(self._move(p, self._fit_or_waiting(cpu, p), MoveReason.DEMOTE, now))
-        reasoning = sorted(
-            (p for p in members if p.status is Status.REASONING), key=idleness, reverse=True
-        )
-        for p in reasoning:
-            if excess <= 0:
-                break
-            excess -= p.context_tokens
-            self._mark_lazy(p, cpu)
-        return moves
-
-    def _cpu_overflow(self, replica: str, now: float) -> list[Move]:
-        """CPU(replica) over budget (capacity shrank): most idle programs go to WAITING."""
-        cpu = Placement(Tier.CPU, replica)
-        excess = self.tiers.used(cpu) - self.tiers.budget(cpu)
-        if excess <= 0:
-            return []
-        moves = []
-        for p in sorted(self.tiers.members(cpu), key=self._ranking(now), reverse=True):
-            if excess <= 0:
-                break
-            excess -= p.context_tokens
-            moves.append(self._move(p, WAITING, MoveReason.CPU_OVERFLOW, now))
-        return moves
-
-    # promotion ------------------------------------------------------------------------
-    def _promote(self, now: float, displace: bool = False) -> list[Move]:
-        """Promote held requests into free GPU room, class by class (MORI 4.3.1).
-
-        `displace` (tick only) lets a class-1/2 request that does not fit swap out clearly
-        more idle ACTING programs; arrivals and responses never move anyone else.
-        """
-        held = self._held_programs()
-        replicas = self.tiers.replicas()
-        if not held or not replicas:
-            return []
-        free = {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.promotion_reserve(r) for r in replicas
-        }
-        if not displace:  # fast path (every event): only candidates that fit are ranked
-            widest, cpu = max(free.values()), Tier.CPU
-            held = [
-                p
-                for p in held
-                if p.context_tokens
-                <= (free.get(p.placement.replica, -1) if p.placement.tier is cpu else widest)
-            ]
-            if not held:
-                return []
-        idleness = self._ranking(now)
-        victims = _VictimPool(self, idleness, self.config.hysteresis)
-        moves: list[Move] = []
-        held, swaps = self._promote_aged(held, free, victims, now, displace, moves)
-        on_cpu, returning, new = [], [], []
-        for p in held:
-            if p.placement.tier is Tier.CPU:
-                if p.placement.replica in free:
-                    on_cpu.append(p)
-            elif p.steps > 0:
-                returning.append(p)
-            else:
-                new.append(p)
-        on_cpu.sort(key=idleness)
-        returning.sort(key=idleness)
-        new.sort(key=lambda p: (p.context_tokens, idleness(p)))
-        for p in on_cpu:
-            if not self._place_cpu(p, free, now, moves) and displace:
-                r = p.placement.replica
-                swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_CPU, now)
-                swaps += bool(swap)
-                moves += swap
-        unplaced = self._pack_waiting(returning + new, free, now, moves)
-        if displace:
-            packed = len(moves)
-            self._swap_returning([p for p in unplaced if p.steps > 0], free, victims, now, moves)
-            swaps += len(moves) > packed
-        if swaps:  # a swap may free more than it took, also where earlier requests wait
-            moves += self._promote(now)
-        return moves
-
-    def _promote_aged(
-        self,
-        held: list[Program],
-        free: dict[str, int],
-        victims: _VictimPool,
-        now: float,
-        displace: bool,
-        moves: list[Move],
-    ) -> tuple[list[Program], int]:
-        """Aging: requests held `aging_s` or longer go first, oldest first (`held` is in
-        arrival order); at a tick one that does not fit swaps out ACTING programs with no
-        hysteresis bar. Returns the requests still to rank by class, and the swap count.
-
-        Without it, a large returning program can wait many minutes: every room that
-        opens goes to a smaller or less idle request (TTFT p99 600-2300 s in the sim).
-        """
-        if self.config.aging_s <= 0:
-            return held, 0
-        cutoff = now - self.config.aging_s
-        aged = [p for p in held if p.last_active_s <= cutoff]
-        if not aged:
-            return held, 0
-        swaps = 0
-        for p in aged:
-            on_cpu = p.placement.tier is Tier.CPU
-            if on_cpu and p.placement.replica not in free:
-                continue
-            place = self._place_cpu if on_cpu else self._place_waiting
-            if not place(p, free, now, moves) and displace:
-                reason = MoveReason.PROMOTE_CPU if on_cpu else MoveReason.PROMOTE_WAITING
-                if not on_cpu and p.steps == 0:
-                    reason = MoveReason.PROMOTE_NEW
-                tries = [p.placement.replica] if on_cpu else _affine_first(p, free)
-                for r in tries:
-                    swap = self._displace(p, r, free, victims, reason, now, aged=True)
-                    if swap:
-                        swaps += 1
-                        moves += swap
-                        break
-        return [p for p in held if p.pending], swaps
-
-    def _pack_waiting(
-        self, ranked: list[Program], free: dict[str, int], now: float, moves: list[Move]
-    ) -> list[Program]:
-        """Best-Fit-Decreasing of WAITING requests; returns those left unplaced (ranked).
-
-        Selection follows priority (`ranked`): a prefix-like pick of what fits in the total
-        free room. The picked set is then placed largest first; a backfill pass in priority
-        order places whatever fragmentation left out, so after a pass no held request
-        that fits anywhere is left behind.
-        """
-        total = sum(max(0, f) for f in free.values())
-        picked = []
-        for p in ranked:
-            if p.context_tokens <= total:
-                total -= p.context_tokens
-                picked.append(p)
-        placed: set[str] = set()
-        for p in sorted(picked, key=lambda p: p.context_tokens, reverse=True):
-            if self._place_waiting(p, free, now, moves):
-                placed.add(p.program_id)
-        left = []
-        for p in ranked:
-            if p.program_id not in placed and not self._place_waiting(p, free, now, moves):
-                left.append(p)
-        return left
-
-    def _place_cpu(self, p: Program, free: dict[str, int], now: float, moves: list[Move]) -> bool:
-        """Back onto its own replica's GPU tier if it fits there (the KV is in its host tier)."""
-        r = p.placement.replica
-        if p.context_tokens > free[r]:
+    # predictive moves -------------------------------------------------------------
+    def _room_for(self, p: Program, gpu: Placement) -> bool:
+        """Free room on `gpu` for `p` that no request waiting at the gate could use."""
+        if not self.tiers.healthy.get(gpu.replica, False):  # type: ignore[arg-type]
             return False
-        free[r] -= p.context_tokens
-        moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
-        return True
+        free = self.tiers.free(gpu)
+        if p.context_tokens > free:
+            return False
+        return not any(q.context_tokens <= free for q in self._gated_demand(gpu.replica))
 
-    def _place_waiting(
-        self, p: Program, free: dict[str, int], now: float, moves: list[Move]
-    ) -> bool:
-        """Last replica if it fits (its host tier may still hold the KV), else most room."""
-        r = p.last_replica
-        if r not in free or p.context_tokens > free[r]:
-            r = max(free, key=free.__getitem__)
-            if p.context_tokens > free[r]:
-                return False
-        free[r] -= p.context_tokens
-        reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
-        moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
-        return True
-
-    def _swap_returning(
-        self,
-        ranked: list[Program],
-        free: dict[str, int],
-        victims: _VictimPool,
-        now: float,
-        moves: list[Move],
-    ) -> None:
-        """Class-2 swaps, least idle first, on the last replica first, then the roomiest.
-
-        Thresholds only rise along `ranked`, so the first request that clears no
-        replica's most idle victim ends the search for all that follow.
-        """
-        order = sorted(free, key=free.__getitem__, reverse=True)
-        for p in ranked:
-            if victims.threshold(p) > victims.most_idle(order):
-                return
-            tries = [p.last_replica, *order] if p.last_replica in free else order
-            for r in tries:
-                swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
-                if swap:
-                    moves += swap
-                    order.sort(key=free.__getitem__, reverse=True)
-                    break
-
-    def _displace(
-        self,
-        p: Program,
-        replica: str,
-        free: dict[str, int],
-        victims: _VictimPool,
-        reason: MoveReason,
-        now: float,
-        aged: bool = False,
-    ) -> list[Move]:
-        """Phase mismatch: swap `p` in for clearly more idle ACTING programs, or do nothing
-        (an aged request swaps out the most idle ACTING ones, with no hysteresis bar)."""
-        chosen = victims.take(replica, p, p.context_tokens - free[replica], aged)
-        if not chosen:
-            return []
-        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
-        cpu = Placement(Tier.CPU, replica)
-        for v in chosen:  # after p left CPU(replica), so its room is usable by victims
-            moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += sum(v.context_tokens for v in chosen) - p.context_tokens
+    def _predictive_promotions(self, now: float) -> list[Move]:
+        due = []
+        for pid in list(self.calls):
+            p = self.programs.get(pid)
+            if p is None or p.placement.tier is not Tier.CPU or p.pending:
+                continue
+            at = self.promote_at(p)
+            if at is not None and now + _EPS >= at:
+                due.append((self.calls[pid].predicted_end_s, p))
+        moves = []
+        for predicted_end, p in sorted(due, key=lambda e: e[0]):  # soonest back first
+            gpu = Placement(Tier.GPU, p.placement.replica)
+            if self._room_for(p, gpu):
+                self.calls[p.program_id].promote_tried = True
+                self.protected_until[p.program_id] = predicted_end + self.config.predict_grace_s
+                self.outcomes["predicted_promotion"] += 1
+                moves.append(self._move(p, gpu, MoveReason.PROMOTE_PREDICTED, now))
         return moves
 
+    def _expire_protection(self, now: float) -> list[Move]:
+        """A predicted-promoted program still acting past predicted end + grace was
+        mispredicted: it loses its protection and yields the room if the gate wants it."""
+        moves = []
+        for pid, until in list(self.protected_until.items()):
+            if now + _EPS < until:
+                continue
+            del self.protected_until[pid]
+            p = self.programs.get(pid)
+            if p is None or p.placement.tier is not Tier.GPU or p.status is not Status.ACTING:
+                continue
+            if self._gated_demand(p.placement.replica):
+                cpu = self._fit_or_waiting(Placement(Tier.CPU, p.placement.replica), p)
+                self.outcomes["overdue_demotion"] += 1
+                moves.append(self._move(p, cpu, MoveReason.DEMOTE, now))
+        return moves + (self._promote(now) if moves else [])
 
-def _affine_first(p: Program, free: dict[str, int]) -> list[str]:
-    """Replicas to try for a WAITING program: its last one first, then the roomiest."""
-    order = sorted(free, key=free.__getitem__, reverse=True)
-    return [p.last_replica, *order] if p.last_replica in free else order
-
-
-class _VictimPool:
-    """ACTING GPU programs per replica, most idle first, built on first use in a pass.
-
-    With token prefix sums, "the fewest most-idle victims freeing `needed` tokens, all
-    clearing the hysteresis bar" is one bisection, so hundreds of held requests can each
-    try every replica in a tick.
-    """
-
-    def __init__(self, policy: MoriPolicy, idleness: Idleness, hysteresis: float) -> None:
-        self._policy = policy
-        self._idleness = idleness
-        self._hysteresis = hysteresis
-        self._pools: dict[str, tuple[list[Program], list[float], list[int]]] = {}
-        self._start: dict[str, int] = {}  # victims before this index were taken already
-
-    def _pool(self, replica: str) -> tuple[list[Program], list[float], list[int]]:
-        pool = self._pools.get(replica)
-        if pool is None:
-            gpu = Placement(Tier.GPU, replica)
-            ranked = sorted(
-                (
-                    (self._idleness(q), q)
-                    for q in self._policy.tiers.members(gpu)
-                    if q.status is Status.ACTING
-                ),
-                key=lambda e: e[0],
-                reverse=True,
-            )
-            prefix = [0]
-            for _, q in ranked:
-                prefix.append(prefix[-1] + q.context_tokens)
-            pool = self._pools[replica] = ([q for _, q in ranked], [i for i, _ in ranked], prefix)
-            self._start[replica] = 0
-        return pool
-
-    def threshold(self, p: Program) -> float:
-        """The idleness a victim needs for `p` to swap it out (the hysteresis bar)."""
-        return self._idleness(p) + self._hysteresis
-
-    def most_idle(self, replicas: list[str]) -> float:
-        """The highest idleness of a victim still available on any of `replicas`."""
-        best = -1.0
-        for r in replicas:
-            _, idleness, _ = self._pool(r)
-            start = self._start[r]
-            if start < len(idleness) and idleness[start] > best:
-                best = idleness[start]
-        return best
-
-    def take(self, replica: str, p: Program, needed: int, aged: bool = False) -> list[Program]:
-        """Victims freeing `needed` tokens, each >= hysteresis more idle than `p` (any
-        ACTING program when `aged`); [] if they cannot free enough (a partial swap would be
-        churn for nothing)."""
-        threshold = -1.0 if aged else self.threshold(p)
-        if threshold > 1.0 or needed <= 0:
-            return []
-        programs, idleness, prefix = self._pool(replica)
-        start = self._start[replica]
-        end = bisect_left(prefix, prefix[start] + needed, lo=start)
-        if end >= len(prefix) or idleness[end - 1] < threshold:
-            return []
-        self._start[replica] = end
-        return programs[start:end]
+    def _count_return(self, call: ToolCall, p: Program) -> None:
+        """How a program came back from a tool call: still on CPU (its request waits for a
+        load-back), or already on GPU thanks to a predictive promotion."""
+        if p.placement.tier is Tier.CPU:
+            self.outcomes["back_while_on_cpu"] += 1
+        elif call.promote_tried:
+            self.outcomes["back_after_predicted_promotion"] += 1

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.policy.residual import DurationDistribution
 from router.replay.records import percentile
 
 # Tool names (lower-cased) by kind. Claude Code, OpenHands, SWE-agent and generic names.
@@ -51,6 +52,9 @@ COLD_START_S: dict[str, float] = {
     "human": 60.0,
     "unknown": 5.0,
 }
+
+# Observations a key's distribution needs before its mean residual life is trusted.
+MIN_DIST_SAMPLES = 8
 
 # First words of shell commands whose duration class is known without history.
 _FAST_WORDS = "ls cat head tail grep rg find echo pwd wc sed awk mkdir rm cp mv touch which git"
@@ -151,17 +155,25 @@ class DurationPredictor:
 
     Lookups fall back from the most to the least specific history: (agent, key), then
     (any agent, key), then (any agent, base tool name, e.g. "Bash"), then the kind's
-    cold-start default. Every observation updates all three levels.
+    cold-start default. Every observation updates all three levels, and a duration
+    distribution per level (`remaining_s`). Keys come from clients, so at most `max_keys`
+    are kept (the oldest go first): hostile tool names cannot grow the router's memory.
     """
 
     def __init__(
-        self, ewma_alpha: float = 0.3, hint_alpha: float = 0.5, max_samples: int = 100_000
+        self,
+        ewma_alpha: float = 0.3,
+        hint_alpha: float = 0.5,
+        max_samples: int = 100_000,
+        max_keys: int = 4096,
     ) -> None:
         if not (0.0 < ewma_alpha <= 1.0 and 0.0 <= hint_alpha <= 1.0):
             raise ValueError("ewma_alpha must be in (0, 1] and hint_alpha in [0, 1]")
         self.ewma_alpha = ewma_alpha
         self.hint_alpha = hint_alpha
+        self.max_keys = max_keys
         self._ewma: dict[tuple[str | None, str], float] = {}
+        self._dists: dict[tuple[str | None, str], DurationDistribution] = {}
         self._errors: dict[str, deque[tuple[float, float]]] = defaultdict(
             lambda: deque(maxlen=max_samples)
         )
@@ -197,6 +209,25 @@ class DurationPredictor:
         for level in self._levels(agent, tool):
             old = self._ewma.get(level)
             self._ewma[level] = actual_s if old is None else a * actual_s + (1 - a) * old
+            dist = self._dists.get(level)
+            if dist is None:
+                dist = self._dists[level] = DurationDistribution()
+            dist.observe(actual_s)
+        for table in (self._ewma, self._dists):
+            while len(table) > self.max_keys:
+                del table[next(iter(table))]
+
+    def remaining_s(self, agent: str | None, tool: str, elapsed_s: float) -> float:
+        """Expected seconds left in a call of `tool` that has run `elapsed_s`.
+
+        From the most specific level with at least `MIN_DIST_SAMPLES` observations, its
+        distribution's mean residual life; with fewer, an exponential law of the level's
+        EWMA or the cold-start mean (memoryless: the mean, whatever has elapsed)."""
+        for level in self._levels(agent, tool):
+            dist = self._dists.get(level)
+            if dist is not None and dist.observations >= MIN_DIST_SAMPLES:
+                return dist.remaining_s(elapsed_s)
+        return self.history(agent, tool)
 
     def error_stats(self) -> dict[str, ErrorStats]:
         """Absolute and relative error distribution (p50 / p90) per tool kind.

@@ -38,6 +38,7 @@ class RunResult:
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float
+    ttft_max_s: float
     gpu_util: float
     hit_device: float
     hit_host: float
@@ -95,6 +96,7 @@ def summarize(
         ttft_mean_s=fmean(ttft) if ttft else 0.0,
         ttft_p50_s=percentile(ttft, 50),
         ttft_p99_s=percentile(ttft, 99),
+        ttft_max_s=max(ttft, default=0.0),
         gpu_util=gpu_util,
         hit_device=device / prompt,
         hit_host=host / prompt,

@@ -27,6 +27,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("ttft_mean_s", "TTFT mean", "{:.2f}"),
     ("ttft_p50_s", "TTFT p50", "{:.2f}"),
     ("ttft_p99_s", "TTFT p99", "{:.2f}"),
+    ("ttft_max_s", "TTFT max", "{:.1f}"),
     ("gpu_util", "GPU KV", "{:.0%}"),
     ("hit_device", "device", "{:.0%}"),
     ("hit_host", "host", "{:.0%}"),

@@ -91,6 +91,17 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _setting(text: str) -> tuple[str, object]:
+    """KNOB=VALUE for a PolicyConfig field; the value is read as YAML (60, 0.5, true)."""
+    name, sep, raw = text.partition("=")
+    known = {f.name for f in fields(PolicyConfig)}
+    if not sep or name.strip() not in known:
+        raise argparse.ArgumentTypeError(
+            f"--set takes KNOB=VALUE with KNOB one of: {', '.join(sorted(known))}"
+        )
+    return name.strip(), yaml.safe_load(raw)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="scenario YAML (configs/sim/*.yaml)")
     parser.add_argument("--trace", help="trace JSONL corpus (default: the scenario's 'trace')")
@@ -105,6 +116,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--window", type=int, help="idleness window W (cycles)")
     parser.add_argument("--seed", type=int, help="corpus order and start jitter")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        type=_setting,
+        default=[],
+        metavar="KNOB=VALUE",
+        help="a policy knob for every cell (repeatable), e.g. --set aging_s=60",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
     parser.add_argument("--json", dest="json_out", help="write results JSON (+ .csv, plots)")
 
@@ -119,6 +139,7 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
             setattr(sc, key, getattr(args, key))
     if args.window is not None:
         sc.policy = {**sc.policy, "window": args.window}
+    sc.policy = {**sc.policy, **dict(args.settings)}
     if not sc.trace:
         raise ValueError("no trace: pass --trace FILE (or set 'trace' in the scenario)")
     if args.jobs < 1:

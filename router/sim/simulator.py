@@ -37,8 +37,16 @@ from router.policy.types import ReplicaCapacity
 from router.replay.corpus import ClosedLoopCorpus, HandOffs
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
-from router.sim.model import Done, FirstToken, ReplicaEngine, SharedPrefix
-from router.sim.presets import get_preset
+from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedPrefix
+from router.sim.presets import Preset, get_preset
+
+# The recompute price a policy starts from: a typical agent step prefills a few thousand
+# new tokens on top of tens of thousands cached (then it learns the engine's real price).
+_TYPICAL_NEW, _TYPICAL_PREFIX = 4096, 32768
+
+
+def prefill_s_per_token(preset: Preset) -> float:
+    return CostModel(preset).prefill_s(_TYPICAL_NEW, _TYPICAL_PREFIX) / _TYPICAL_NEW
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,10 @@ class Simulation:
 
     def _build_policy_and_engines(self) -> None:
         cfg = self.config
-        pc = {"load_s_per_token": self.preset.kv_bytes_per_token / self.preset.pcie_bytes_s}
+        pc = {
+            "load_s_per_token": self.preset.kv_bytes_per_token / self.preset.pcie_bytes_s,
+            "prefill_s_per_token": prefill_s_per_token(self.preset),
+        }
         pc.update(cfg.policy_config)
         self.policy: Policy = make_policy(cfg.policy, PolicyConfig(**pc))
         mode = self.policy.engine_mode
@@ -213,6 +224,12 @@ class Simulation:
             "window": self.policy.config.window,
             "tick_s": self.policy.config.tick_s,
             "moves": self.moves,
+            # requests still held when the run ends: a starving program shows here, since
+            # TTFT statistics only count answered steps
+            "held_at_end": len(self.gated),
+            "held_max_wait_s": round(
+                max((cfg.duration_s - r.arrival for r in self.gated.values()), default=0.0), 3
+            ),
             "failed_steps": sum(not r.ok for r in self.records),
             "sim_wall_s": round(wall, 3),
         }
@@ -355,6 +372,11 @@ class Simulation:
         del self.inflight[req.rid]
         st, client = req.step, req.client
         first = req.first_token if req.first_token is not None else ev.t
+        if ev.ok:
+            self.policy.observe_step(
+                req.replica, st.input_tokens, *req.cached, first - req.forwarded,
+                st.output_tokens, ev.t - first,
+            )  # fmt: skip
         self.records.append(
             StepRecord(
                 program_id=client.pid,

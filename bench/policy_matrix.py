@@ -1,0 +1,249 @@
+"""Every policy on every corpus, load and CPU ratio, averaged over seeds, in one command.
+
+    python bench/policy_matrix.py                                  # the full matrix (~10 min)
+    python bench/policy_matrix.py --corpora claude-x0.25 --programs 80 --seeds 0
+    python bench/policy_matrix.py --write bench/results/2026-11-23-policy-matrix.md
+    python bench/policy_matrix.py --sweep aging_s=0,120,300 --seeds 0 1   # mori variants
+
+Simulated (`mori sim`'s engine model, H100 + Llama-3.1-8B preset, one replica, one virtual
+hour per run). Per cell (corpus x programs x CPU ratio) it prints, for each policy, the
+mean over seeds of output tok/s, TTFT mean / p99 / max, and requests in the engine, then
+`mori`'s ratio to the best baseline (smg, ta, ta+o, continuum) and its TTFT p99 against
+2x smg's, the targets of docs/policy.md. Requests still held when a run ends are counted
+in TTFT max (their wait so far), so starvation cannot hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from datetime import date
+from functools import cache
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from router.replay.trace import TraceProgram, load_trace  # noqa: E402
+from router.sim.simulator import SimConfig, simulate  # noqa: E402
+
+CORPORA = {  # name -> (trace, token scale)
+    "generated": ("traces/generated-claude-code.jsonl", 1.0),
+    "generated-32k": ("traces/generated-claude-code-32k.jsonl", 1.0),
+    "claude-x0.25": ("traces/claude-code-sample.jsonl", 0.25),
+    "claude-x0.5": ("traces/claude-code-sample.jsonl", 0.5),
+}
+POLICIES = ["mori", "mori-priced", "mori-paper", "continuum", "ta+o", "ta", "smg"]
+BASELINES = ("smg", "ta", "ta+o", "continuum")
+TARGET_TPUT = 0.98  # mori >= 0.98x the best baseline's output tok/s
+TARGET_P99 = 2.0  # mori's TTFT p99 <= 2x smg's
+SWEPT: set[str] = set()  # knobs given by --sweep (shown in the policy column)
+METRICS = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "ttft_max_s", "running_mean")
+
+
+@dataclass(frozen=True)
+class Run:
+    corpus: str
+    programs: int
+    cpu_ratio: float
+    seed: int
+    policy: str
+    duration_s: float
+    settings: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The policy's name in the tables: a swept variant shows its setting."""
+        swept = [f"{k}={v}" for k, v in self.settings if k in SWEPT]
+        return f"{self.policy}[{','.join(swept)}]" if swept else self.policy
+
+
+@cache
+def _trace(path: str) -> list[TraceProgram]:
+    return load_trace(ROOT / path)
+
+
+def run_one(run: Run) -> tuple[Run, dict[str, float]]:
+    trace, scale = CORPORA[run.corpus]
+    cfg = SimConfig(
+        policy=run.policy,
+        concurrency=run.programs,
+        cpu_ratio=run.cpu_ratio,
+        duration_s=run.duration_s,
+        token_scale=scale,
+        seed=run.seed,
+        policy_config=dict(run.settings),
+    )
+    result = simulate(_trace(trace), cfg)
+    row = {m: getattr(result, m, None) or result.extra.get(m, 0.0) for m in METRICS}
+    row["ttft_max_s"] = max(row["ttft_max_s"], result.extra["held_max_wait_s"])
+    row["miss"] = result.miss
+    return run, row
+
+
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+
+
+def verdicts(
+    cell: dict[str, dict[str, float]], name: str = "mori"
+) -> dict[str, float | bool | str]:
+    """`name` (a mori variant) against the best baseline of the cell and smg's tail."""
+    present = [b for b in BASELINES if b in cell]
+    if name not in cell or not present:
+        return {}
+    best = max(present, key=lambda b: cell[b]["output_tok_s"])
+    ratio = cell[name]["output_tok_s"] / max(cell[best]["output_tok_s"], 1e-9)
+    out: dict[str, float | bool | str] = {"best": best, "tput_ratio": ratio}
+    out["tput_ok"] = ratio >= TARGET_TPUT
+    if "smg" in cell:
+        p99 = cell[name]["ttft_p99_s"] / max(cell["smg"]["ttft_p99_s"], 1e-9)
+        out["p99_ratio"], out["p99_ok"] = p99, p99 <= TARGET_P99
+    return out
+
+
+def scorecard(cells: dict, names: list[str]) -> list[str]:
+    """Per mori variant: in how many cells each target holds, and its mean tok/s ratio."""
+    lines = []
+    for name in names:
+        vs = [v for v in (verdicts(c, name) for c in cells.values()) if v]
+        if not vs:
+            continue
+        tput = sum(bool(v["tput_ok"]) for v in vs)
+        p99 = sum(bool(v.get("p99_ok", True)) for v in vs)
+        both = sum(bool(v["tput_ok"]) and bool(v.get("p99_ok", True)) for v in vs)
+        mean = statistics.fmean(float(v["tput_ratio"]) for v in vs)
+        lines.append(
+            f"{name}: tok/s >= {TARGET_TPUT}x best baseline in {tput}/{len(vs)} cells, "
+            f"TTFT p99 <= {TARGET_P99}x smg in {p99}/{len(vs)}, both in {both}/{len(vs)}; "
+            f"mean ratio to the best baseline {mean:.3f}"
+        )
+    return lines
+
+
+def _value(text: str) -> object:
+    """A knob's value as YAML reads it (60 -> int, 0.5 -> float, true -> bool)."""
+    return yaml.safe_load(text)
+
+
+def machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next(x.split(":", 1)[1].strip() for x in out.splitlines() if "Model name" in x)
+    except (OSError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{model} ({os.cpu_count()} vCPU), Python {platform.python_version()}"
+
+
+def render(cells: dict, policies: list[str], console: Console) -> list[str]:
+    """One rich table per corpus; returns the same as Markdown lines."""
+    md: list[str] = []
+    for corpus in dict.fromkeys(k[0] for k in cells):
+        table = Table(title=f"{corpus} (mean over seeds)", header_style="bold")
+        heads = ["programs", "cpu", "policy", "tok/s", "TTFT mean", "p99", "max", "in engine"]
+        heads += ["mori/best", "p99/smg"]
+        for h in heads:
+            table.add_column(h, justify="left" if h == "policy" else "right")
+        md += [f"### {corpus}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        for (c, programs, ratio), cell in cells.items():
+            if c != corpus:
+                continue
+            v = verdicts(cell, next(p for p in policies if p in cell))
+            for i, name in enumerate(p for p in policies if p in cell):
+                m = cell[name]
+                row = [str(programs), f"{ratio:g}", name, f"{m['output_tok_s']:.1f}"]
+                row += [f"{m['ttft_mean_s']:.1f}", f"{m['ttft_p99_s']:.0f}"]
+                row += [f"{m['ttft_max_s']:.0f}", f"{m['running_mean']:.1f}"]
+                if i == 0 and v:
+                    tick = lambda ok: "" if ok else " MISS"  # noqa: E731
+                    row.append(f"{v['tput_ratio']:.2f}x vs {v['best']}{tick(v['tput_ok'])}")
+                    row.append(
+                        f"{v['p99_ratio']:.2f}x{tick(v['p99_ok'])}" if "p99_ratio" in v else ""
+                    )
+                else:
+                    row += ["", ""]
+                table.add_row(*row, end_section=i == len(cell) - 1)
+                md.append("| " + " | ".join(row) + " |")
+        console.print(table)
+        md.append("")
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=list(CORPORA))
+    parser.add_argument("--programs", nargs="+", type=int, default=[20, 50, 80])
+    parser.add_argument("--cpu-ratio", nargs="+", type=float, default=[1.0, 2.0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3])
+    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--duration", type=float, default=3600.0)
+    parser.add_argument("--set", dest="settings", nargs="*", default=[], metavar="KNOB=VALUE",
+                        help="knobs of the mori policies (e.g. aging_s=120)")  # fmt: skip
+    parser.add_argument("--sweep", metavar="KNOB=V1,V2", help="mori variants, one per value")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=Path, help="write every run's metrics as JSON")
+    parser.add_argument("--write", type=Path, help="append the tables as Markdown")
+    args = parser.parse_args(argv)
+    settings = tuple((k, _value(v)) for k, _, v in (s.partition("=") for s in args.settings))
+
+    def family(policy: str) -> tuple[tuple[str, object], ...]:
+        return settings if policy.startswith("mori") else ()  # --set is for MORI's knobs
+
+    variants = [settings]
+    if args.sweep:
+        knob, _, values = args.sweep.partition("=")
+        SWEPT.add(knob)
+        variants = [(*settings, (knob, _value(v))) for v in values.split(",")]
+    runs = [
+        Run(c, n, r, s, p, args.duration, variant if p == "mori" else family(p))
+        for c in args.corpora
+        for n in args.programs
+        for r in args.cpu_ratio
+        for s in args.seeds
+        for p in args.policies
+        for variant in (variants if p == "mori" else [()])
+    ]
+    labels = list(dict.fromkeys(run.label for run in runs))
+    results: list[tuple[Run, dict[str, float]]] = []
+    with Progress(transient=True) as progress, ProcessPoolExecutor(args.jobs) as pool:
+        task = progress.add_task("simulating", total=len(runs))
+        for done in pool.map(run_one, runs, chunksize=1):
+            results.append(done)
+            progress.advance(task)
+    cells: dict[tuple[str, int, float], dict[str, dict[str, float]]] = {}
+    for key in dict.fromkeys((r.corpus, r.programs, r.cpu_ratio) for r, _ in results):
+        by_policy: dict[str, list[dict[str, float]]] = {}
+        for run, row in results:
+            if (run.corpus, run.programs, run.cpu_ratio) == key:
+                by_policy.setdefault(run.label, []).append(row)
+        cells[key] = {p: mean_rows(rows) for p, rows in by_policy.items()}
+    console = Console(width=140)
+    md = render(cells, labels, console)
+    summary = scorecard(cells, [label for label in labels if label.startswith("mori")])
+    for line in summary:
+        console.print(line)
+    if args.json:
+        rows = [{**run.__dict__, "settings": dict(run.settings), **row} for run, row in results]
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.write:
+        command = " ".join(["python bench/policy_matrix.py", *(argv or sys.argv[1:])])
+        head = [f"## {date.today().isoformat()} - {machine()}", "", f"`{command}`", ""]
+        head += [f"- {line}" for line in summary] + [""]
+        with args.write.open("a") as fh:
+            fh.write("\n".join(head + md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

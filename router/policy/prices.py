@@ -1,0 +1,91 @@
+"""What moving a program's KV costs on one replica, learned from the replica's own answers.
+
+Whether freeing a program's GPU room pays depends on the engine: a 50k-token context
+reloads from host DRAM in ~0.1 s on an H100 (PCIe 5) and recomputes in ~2 s, while the
+CPU test engine prefills a tiny model faster than it decodes one token of a batch. One
+policy must be right on both, so the prices are measured: every answered request reports
+(prompt tokens, how many were cached on device and on host, time to first token inside the
+engine, decode time), and each price follows a low quantile of its per-token samples.
+A low quantile, not the mean: queueing inside the engine inflates a request's time to first
+token, never deflates it, so the fast samples are the ones that show the price itself.
+Configured values (from the replica preset) are the starting point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MIN_SAMPLE_TOKENS = 256  # shorter prefills and loads are dominated by fixed overheads
+PRICE_QUANTILE = 0.2
+PRICE_STEP = 0.1  # multiplicative learning rate of the quantile trackers
+
+
+@dataclass(slots=True)
+class QuantileTracker:
+    """Stochastic approximation of a quantile: each sample nudges the estimate up or down
+    multiplicatively, so it settles where a share `q` of samples falls below it."""
+
+    value: float
+    q: float = PRICE_QUANTILE
+    step: float = PRICE_STEP
+    samples: int = 0
+
+    def observe(self, x: float) -> None:
+        if not (x > 0 and math.isfinite(x)):
+            return
+        self.samples += 1
+        below = 1.0 if x < self.value else 0.0
+        self.value *= math.exp(self.step * (self.q - below))
+
+
+@dataclass(slots=True)
+class ReplicaPrices:
+    """Per-token seconds to recompute (prefill) and to reload (host -> device) KV, and
+    the seconds of one decode iteration, on one replica."""
+
+    prefill: QuantileTracker
+    load: QuantileTracker
+    decode: QuantileTracker
+
+    @classmethod
+    def starting(cls, prefill_s_per_token: float, load_s_per_token: float) -> ReplicaPrices:
+        return cls(
+            QuantileTracker(prefill_s_per_token),
+            QuantileTracker(load_s_per_token),
+            QuantileTracker(0.02, q=0.5),
+        )
+
+    def recompute_s(self, tokens: int) -> float:
+        return tokens * self.prefill.value
+
+    def reload_s(self, tokens: int) -> float:
+        return tokens * self.load.value
+
+    def observe(
+        self,
+        prompt_tokens: int,
+        cached_device: int,
+        cached_host: int,
+        ttft_s: float,
+        output_tokens: int = 0,
+        decode_s: float = 0.0,
+    ) -> None:
+        """One answered request, timed inside the engine (from forwarding, not arrival at
+        the router: gate time is the router's, not the engine's)."""
+        uncached = max(0, prompt_tokens - cached_device - cached_host)
+        if uncached >= MIN_SAMPLE_TOKENS and cached_host * 4 <= uncached:
+            self.prefill.observe(ttft_s / uncached)
+        if cached_host >= MIN_SAMPLE_TOKENS and uncached * 4 <= cached_host:
+            self.load.observe(max(0.0, ttft_s - self.recompute_s(uncached)) / cached_host)
+        if output_tokens > 8 and decode_s > 0:
+            self.decode.observe(decode_s / (output_tokens - 1))
+
+    def view(self) -> dict[str, float | int]:
+        """For the admin API and reports."""
+        return {
+            "prefill_tokens_per_s": round(1.0 / self.prefill.value, 1),
+            "load_tokens_per_s": round(1.0 / self.load.value, 1),
+            "decode_step_s": round(self.decode.value, 5),
+            "samples": self.prefill.samples + self.load.samples,
+        }

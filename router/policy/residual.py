@@ -1,0 +1,92 @@
+"""How much longer will a tool call last, given how long it has lasted (mean residual life)?
+
+A point forecast of a tool call's duration (the EWMA in `router.policy.predictor`) says
+little once the call has outlived it: agent tool times are heavy-tailed (MORI Fig. 3: 87 %
+of calls under 2 s, yet long calls hold 58 % of all tool time), so a call that has already
+run 30 s is likely to run much longer. What a placement decision needs is the expected
+*remaining* time, E[D - a | D > a] at the elapsed time a. Continuum prices its KV
+time-to-live from the same kind of empirical distribution.
+
+`DurationDistribution` keeps an exponentially forgetting histogram of observed durations on
+log-spaced bins (so it follows drift, and memory is constant), with suffix sums cached
+between observations, so `remaining_s` is one bisection and a few multiplications: a tick can
+ask it for thousands of programs.
+
+Beyond the longest duration seen there is no data; the estimate is then the elapsed time
+itself (the Lindy rule: for a Pareto tail of index 2, E[D - a | D > a] = a).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+BINS_PER_DECADE = 8
+LOW_S = 0.01  # durations below land in the first bin
+DECADES = 7  # 0.01 s .. 100 000 s
+N_BINS = BINS_PER_DECADE * DECADES
+EDGES = [LOW_S * 10 ** (i / BINS_PER_DECADE) for i in range(N_BINS + 1)]
+_RENORMALISE_AT = 1e100
+
+
+class DurationDistribution:
+    """An exponentially forgetting histogram of durations; the newest `half_life`
+    observations carry half of the weight."""
+
+    __slots__ = ("_counts", "_sums", "_weight", "_growth", "_table", "observations")
+
+    def __init__(self, half_life: int = 500) -> None:
+        if half_life < 1:
+            raise ValueError("half_life must be >= 1 observation")
+        self._counts = [0.0] * N_BINS
+        self._sums = [0.0] * N_BINS
+        self._weight = 1.0  # weight of the next observation; grows instead of decaying all
+        self._growth = 2.0 ** (1.0 / half_life)
+        self._table: tuple[list[float], list[float]] | None = None
+        self.observations = 0
+
+    def observe(self, duration_s: float) -> None:
+        d = min(max(float(duration_s), 0.0), EDGES[-1])
+        b = _bin(d)
+        self._counts[b] += self._weight
+        self._sums[b] += self._weight * d
+        self._weight *= self._growth
+        if self._weight > _RENORMALISE_AT:
+            scale = 1.0 / self._weight
+            self._counts = [c * scale for c in self._counts]
+            self._sums = [s * scale for s in self._sums]
+            self._weight = 1.0
+        self._table = None
+        self.observations += 1
+
+    def mean_s(self) -> float:
+        counts, sums = self._suffixes()
+        return sums[0] / counts[0] if counts[0] > 0 else 0.0
+
+    def remaining_s(self, elapsed_s: float) -> float:
+        """E[D - a | D > a] for a = `elapsed_s`; `elapsed_s` itself past the data."""
+        a = max(0.0, float(elapsed_s))
+        counts, sums = self._suffixes()
+        b = _bin(a)
+        lo, hi = EDGES[b], EDGES[b + 1]
+        share = 1.0 if a <= lo else max(0.0, (hi - a) / (hi - lo))  # of bin b above a
+        n = counts[b + 1] + share * self._counts[b]
+        if n <= 1e-12 * (counts[0] or 1.0):
+            return a
+        mean_in_bin = self._sums[b] / self._counts[b] if self._counts[b] > 0 else (lo + hi) / 2
+        above_in_bin = max(a, mean_in_bin) if share < 1.0 else mean_in_bin
+        total = sums[b + 1] + share * self._counts[b] * above_in_bin
+        return max(0.0, total / n - a)
+
+    def _suffixes(self) -> tuple[list[float], list[float]]:
+        """Counts and sums of bins b.. for every b (cached until the next observation)."""
+        if self._table is None:
+            counts, sums = [0.0] * (N_BINS + 1), [0.0] * (N_BINS + 1)
+            for b in range(N_BINS - 1, -1, -1):
+                counts[b] = counts[b + 1] + self._counts[b]
+                sums[b] = sums[b + 1] + self._sums[b]
+            self._table = (counts, sums)
+        return self._table
+
+
+def _bin(d: float) -> int:
+    return min(N_BINS - 1, max(0, bisect_right(EDGES, d) - 1))

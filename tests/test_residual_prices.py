@@ -1,0 +1,108 @@
+"""Expected remaining tool time (mean residual life) and the replicas' learned move prices."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.policy.predictor import MIN_DIST_SAMPLES, DurationPredictor
+from router.policy.prices import QuantileTracker, ReplicaPrices
+from router.policy.residual import DurationDistribution
+
+
+def filled(samples) -> DurationDistribution:
+    dist = DurationDistribution(half_life=100_000)
+    for d in samples:
+        dist.observe(d)
+    return dist
+
+
+def test_memoryless_durations_have_a_constant_remaining_time():
+    rng = random.Random(1)
+    dist = filled(rng.expovariate(1 / 10.0) for _ in range(20_000))
+    for elapsed in (0.0, 5.0, 10.0, 20.0):
+        assert dist.remaining_s(elapsed) == pytest.approx(10.0, rel=0.15)
+
+
+def test_heavy_tailed_durations_have_a_growing_remaining_time():
+    """Pareto(alpha=2): E[D - a | D > a] = a for a past the scale."""
+    rng = random.Random(2)
+    dist = filled(rng.paretovariate(2.0) for _ in range(50_000))
+    assert dist.remaining_s(2.0) == pytest.approx(2.0, rel=0.25)
+    assert dist.remaining_s(8.0) == pytest.approx(8.0, rel=0.35)
+    assert dist.remaining_s(8.0) > 2.5 * dist.remaining_s(2.0)
+
+
+def test_fixed_durations_leave_exactly_what_is_left():
+    dist = filled([30.0] * 200)
+    assert dist.remaining_s(0.0) == pytest.approx(30.0, rel=0.01)
+    assert dist.remaining_s(20.0) == pytest.approx(10.0, rel=0.05)
+
+
+def test_past_every_observation_the_elapsed_time_is_the_estimate():
+    dist = filled([1.0] * 50)
+    assert dist.remaining_s(500.0) == pytest.approx(500.0)
+
+
+def test_old_observations_fade():
+    dist = DurationDistribution(half_life=20)
+    for _ in range(200):
+        dist.observe(100.0)
+    for _ in range(200):
+        dist.observe(1.0)
+    assert dist.mean_s() < 2.0
+
+
+def test_predictor_remaining_time_per_tool_with_cold_start():
+    p = DurationPredictor()
+    assert p.remaining_s(None, "Bash:pytest", 0.0) == pytest.approx(30.0)  # cold start
+    for _ in range(MIN_DIST_SAMPLES):
+        p.observe(None, "Bash:pytest", 60.0)
+        p.observe(None, "Read", 0.2)
+    assert p.remaining_s(None, "Bash:pytest", 20.0) == pytest.approx(40.0, rel=0.05)
+    assert p.remaining_s(None, "Read", 0.1) == pytest.approx(0.1, abs=0.05)
+
+
+def test_predictor_keeps_a_bounded_number_of_keys():
+    p = DurationPredictor(max_keys=10)
+    for i in range(100):
+        p.observe(None, f"tool-{i}", 1.0)
+    assert len(p._ewma) <= 10 and len(p._dists) <= 10
+
+
+def test_quantile_tracker_settles_at_its_quantile():
+    rng = random.Random(3)
+    tracker = QuantileTracker(50.0, q=0.2, step=0.02)
+    for _ in range(20_000):
+        tracker.observe(rng.uniform(0.0, 10.0))
+    assert tracker.value == pytest.approx(2.0, rel=0.2)
+
+
+def test_prices_follow_unqueued_requests_not_queued_ones():
+    """Queueing only adds to a request's time to first token: the low quantile finds the
+    engine's prefill price under a mix of fast and slow samples."""
+    prices = ReplicaPrices.starting(prefill_s_per_token=1e-3, load_s_per_token=1e-3)
+    rng = random.Random(4)
+    for _ in range(3000):
+        queued = rng.random() < 0.7
+        ttft = 4000 * 5e-5 + (rng.uniform(1.0, 30.0) if queued else 0.0)
+        prices.observe(4000, 0, 0, ttft)
+    assert prices.recompute_s(10_000) == pytest.approx(0.5, rel=0.3)
+
+
+def test_load_price_is_learned_from_host_hits():
+    prices = ReplicaPrices.starting(prefill_s_per_token=1e-4, load_s_per_token=1e-3)
+    for _ in range(3000):
+        prices.observe(20_000, 1000, 18_000, ttft_s=1000 * 1e-4 + 18_000 * 2e-6)
+    assert prices.reload_s(1_000_000) == pytest.approx(2.0, rel=0.3)
+    assert prices.view()["samples"] > 0
+
+
+def test_prices_ignore_samples_that_say_nothing():
+    prices = ReplicaPrices.starting(prefill_s_per_token=1e-4, load_s_per_token=1e-5)
+    before = (prices.prefill.value, prices.load.value)
+    prices.observe(100, 0, 0, 5.0)  # too short a prefill to price
+    prices.observe(5000, 4990, 0, 5.0)  # all cached on device
+    prices.observe(5000, 0, 0, float("nan"))
+    assert (prices.prefill.value, prices.load.value) == before
