@@ -161,10 +161,16 @@ class CacheSage(RuntimeComponent):
         state = self.learner.sessions.get(session)
         if pid == session or (state is not None and state.turn_agent == agent):
             return 1.0
-        if agent is None or state is None or state.turn_agent is None:
+        if state is None:
+            return None
+        return self.odds_after(state.turn_agent, agent)
+
+    def odds_after(self, current: str | None, agent: str | None) -> float | None:
+        """P(`agent` speaks within `horizon` turns after a turn of `current`)."""
+        if current is None or agent is None or not self.active:
             return None
         index, reach = self.learner.reach(self.horizon)
-        i, j = index.get(state.turn_agent), index.get(agent)
+        i, j = index.get(current), index.get(agent)
         return None if i is None or j is None else float(reach[i, j])
 
     def score(self, item: Item) -> float | None:
@@ -269,7 +275,8 @@ class CacheSagePolicy(MoriPolicy):
         if not held:
             return []
         cs = self.cachesage
-        waiting = {cs.session_of.get(q.program_id) for q in held} - {None}
+        waiting = {cs.session_of.get(q.program_id): cs.agent_of.get(q.program_id) for q in held}
+        waiting.pop(None, None)  # type: ignore[call-overload]
         for q in held:
             replica = self._target(q)
             if replica is None:
@@ -296,17 +303,24 @@ class CacheSagePolicy(MoriPolicy):
             return q.last_replica
         return max(replicas, key=lambda r: self.tiers.free(Placement(Tier.GPU, r)), default=None)
 
-    def _unlikely(self, gpu: Placement, need: int, waiting: set) -> list[Program]:
+    def _unlikely(self, gpu: Placement, need: int, waiting: dict) -> list[Program]:
         """ACTING programs on `gpu` freeing `need` tokens, least likely to speak first
         (larger first among equals); [] if those that qualify cannot free enough. A
-        program whose session has a request held at the gate waits for that turn: odds 0."""
+        program whose session has a request held at the gate (`waiting`: session -> its
+        agent) waits for that turn: its odds are those after that turn (0 before anything
+        is learnt); the session's root speaks right after it and stays."""
         cs = self.cachesage
         pool = []
         for p in self.tiers.members(gpu):
-            if p.status is not Status.ACTING:
+            pid = p.program_id
+            session = cs.session_of.get(pid)
+            if p.status is not Status.ACTING or pid == session:
                 continue
-            blocked = cs.session_of.get(p.program_id) in waiting
-            o = 0.0 if blocked else cs.turn_odds(p.program_id)
+            if session in waiting:
+                after = cs.odds_after(waiting[session], cs.agent_of.get(pid))
+                o = 0.0 if after is None else after
+            else:
+                o = cs.turn_odds(pid)
             if o is not None and o < ODDS_MAX and p.demote_after_step is None:
                 pool.append((o, -p.context_tokens, p))
         pool.sort(key=lambda t: t[:2])
