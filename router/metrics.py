@@ -116,6 +116,7 @@ class RouterMetrics:
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
             family.labels(replica)
+        self.warmups.labels(replica, "ok")
 
     def record_moves(self, moves: list[Move]) -> None:
         for m in moves:

@@ -13,6 +13,7 @@ from tests.router_harness import assert_clean, client, emulator, metric, router
 
 ROLES = ["Planner", "Coder", "Tester"]
 SYSTEM = {role: f"You are the {role}. " + f"{role} rules and tool schemas. " * 60 for role in ROLES}
+SYSTEM["selector"] = "You pick who speaks next. " * 40
 
 
 @pytest.fixture(scope="module")
