@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
@@ -173,7 +174,7 @@ def render(cells: dict, policies: list[str], console: Console) -> list[str]:
                     )
                 else:
                     row += ["", ""]
-                table.add_row(*row, end_section=i == len(cell) - 1)
+                table.add_row(*map(escape, row), end_section=i == len(cell) - 1)
                 md.append("| " + " | ".join(row) + " |")
         console.print(table)
         md.append("")
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     md = render(cells, labels, console)
     summary = scorecard(cells, [label for label in labels if label.startswith("mori")])
     for line in summary:
-        console.print(line)
+        console.print(line, markup=False)
     if args.json:
         rows = [{**run.__dict__, "settings": dict(run.settings), **row} for run, row in results]
         args.json.write_text(json.dumps(rows, indent=1))

@@ -166,7 +166,8 @@ def anthropic_body(content: bytes) -> Usage:
 
 
 class AnthropicStream:
-    """Reads a Messages SSE stream for usage and its tool_use blocks; passes all bytes."""
+    """Reads a Messages SSE stream for usage and its tool_use blocks; passes every event
+    unchanged, whole events only (so an error event can always follow cleanly)."""
 
     def __init__(self, client_wants_usage: bool = True) -> None:
         self.usage = Usage()
@@ -175,15 +176,16 @@ class AnthropicStream:
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
-        if b"\n\n" in self._buffer:
-            *events, self._buffer = self._buffer.split(b"\n\n")
-            for e in events:
-                self._event(e)
-        return chunk
+        if b"\n\n" not in self._buffer:
+            return b""
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        for e in events:
+            self._event(e)
+        return b"".join(e + b"\n\n" for e in events)
 
     def flush(self) -> bytes:
-        self._buffer = b""
-        return b""
+        rest, self._buffer = self._buffer, b""
+        return rest + b"\n\n" if rest.strip() else b""
 
     def finish(self) -> Usage:
         calls = [{"name": name, "input": "".join(args)} for name, args in self._calls.values()]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,18 +18,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from router import identity
-from router.agent_identity import anchor_of
 from router.config import RouterConfig
 from router.controller import Router
 from router.errors import ApiError
-from router.exchange import PASSED_HEADERS, Call, Exchange
+from router.exchange import Call, Exchange
+from router.intake import Hints, Intake, agent_role, parse_json_object, read_body
 from router.policy import Policy
 from router.policy.types import Placement, Tier
+from router.sanitize import LabelError, check_label, forwarded_headers, header_text
 
 log = logging.getLogger("mori.api")
 
@@ -48,6 +47,7 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app of `mori serve` (also used in-process by tests and benchmarks)."""
     router = Router(config, policy=policy, clock=clock)
+    intake = Intake(config.worker_parse_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +55,7 @@ def create_app(
         try:
             yield
         finally:
+            intake.close()
             await router.stop()
 
     app = RouterApp(title="MORI router", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -64,34 +65,22 @@ def create_app(
 
     async def proxy(request: Request, kind: str) -> Response:
         key = auth.client(request)
-        raw = await read_body(request, config.max_body_bytes)
-        body = parse_json_object(raw)
-        validate(kind, body)
-        try:
-            program_id = identity.resolve(body, request.headers, key)
-        except identity.IdentityError as e:
-            raise ApiError(400, str(e), param="program_id") from None
-        body.pop("program_id", None)
-        if isinstance(body.get("extra_body"), dict):
-            body["extra_body"].pop("program_id", None)
-        agent = agent_role(body.pop("agent", None), request.headers.get("x-agent-role"))
-        anchor = anchor_of(body)
-        parent = _parent(body.pop("parent_id", None), request.headers.get("x-parent-id"))
-        stream = bool(body.get("stream", False))
-        options = body.get("stream_options")
+        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        prepared = await intake.prepare(kind, raw, request_hints(request, key))
         call = Call(
             path=INFERENCE_PATHS[kind],
             anthropic=kind == "messages",
-            body=body,
-            program_id=program_id,
-            stream=stream,
-            client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+            content=prepared.content,
+            rid=prepared.rid,
+            program_id=prepared.program_id,
+            stream=prepared.stream,
+            client_wants_usage=prepared.client_wants_usage,
             prompt_chars=len(raw),
             arrival=router.clock(),
-            headers={h: request.headers[h] for h in PASSED_HEADERS if h in request.headers},
-            agent=agent or (anchor.agent if anchor else None),
-            anchor=anchor,
-            parent=identity.namespace(key) + parent if parent else None,
+            headers=forwarded_headers(request.headers),
+            agent=prepared.agent,
+            anchor=prepared.anchor,
+            parent=prepared.parent,
         )
         return Exchange(router, call)
 
@@ -130,14 +119,16 @@ def create_app(
     @app.post("/v1/programs/{program_id:path}/tool_start")
     async def tool_start(request: Request, program_id: str) -> dict[str, Any]:
         pid = program_of(request, program_id)
-        body = parse_json_object(await read_body(request, config.max_body_bytes))
-        tool = body.get("tool")
+        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        body = parse_json_object(raw)
+        try:
+            tool = check_label(body.get("tool"), "tool")
+        except LabelError as e:
+            raise ApiError(400, str(e), param="tool") from None
         predict = body.get("predict_time")
-        if not isinstance(tool, str) or not tool:
-            raise ApiError(400, "`tool` must be a non-empty string", param="tool")
         if predict is not None and (not _number(predict) or predict < 0):
             raise ApiError(400, "`predict_time` must be a number of seconds >= 0", "predict_time")
-        agent = agent_role(body.get("agent"), request.headers.get("x-agent-role"))
+        agent = agent_role(body.get("agent"), request_hints(request, None).agent)
         known(pid)
         router.apply(router.policy.on_tool_start(pid, router.clock(), tool, agent, predict))
         return {"program_id": pid, "tool": tool}
@@ -172,7 +163,8 @@ def create_app(
     @app.get("/v1/replicas")
     async def replicas(request: Request) -> dict[str, Any]:
         auth.admin(request)
-        return {"object": "list", "data": [replica_view(router, url) for url in router.replicas]}
+        data = [replica_view(router, url) for url in router.replicas]
+        return {"object": "list", "policy": router.policy.name, "data": data}
 
     # operations --------------------------------------------------------------------------
     @app.get("/health")
@@ -207,13 +199,15 @@ class RouterApp(FastAPI):
         if handler is None:
             await super().__call__(scope, receive, send)
             return
+        anthropic = scope["path"] == "/v1/messages"
         try:
             response = await handler(Request(scope, receive))
         except ApiError as e:
-            response = e.response()
+            response = e.response(anthropic)
         except Exception:
             log.exception("inference request failed in the router")
-            response = ApiError(500, "internal router error", code="internal_error").response()
+            error = ApiError(500, "internal router error", code="internal_error")
+            response = error.response(anthropic)
         await response(scope, receive, send)
 
 
@@ -236,123 +230,19 @@ def replica_view(router: Router, url: str) -> dict[str, Any]:
 
 
 # --- request parsing --------------------------------------------------------------------
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing more than `limit` bytes without reading them all (413).
-
-    A client that leaves mid-body gets a 499 nobody reads (the server drops it): no
-    router state exists for the request yet, so there is nothing else to undo."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
+def request_hints(request: Request, key: str | None) -> Hints:
+    """The headers `prepare` reads, decoded as UTF-8 (400 naming the header if not)."""
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(
-                    413, f"request body larger than {limit} bytes", code="body_too_large"
-                )
-            chunks.append(chunk)
-    except ClientDisconnect:  # e.g. a replay cancelled at shutdown: nothing was started yet
-        raise ApiError(499, "client closed the request", code="client_disconnect") from None
-    return b"".join(chunks)
-
-
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _reject_constant(name: str) -> Any:
-    """NaN and Infinity are not JSON; engines choke on them."""
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def agent_role(field: Any, header: str | None) -> str | None:
-    """The agent role (e.g. "planner", "coder") tool durations are learnt per: body
-    `agent` first, then the `X-Agent-Role` header; None when neither is given."""
-    if field is None:
-        return (header or "").strip() or None
-    ok = isinstance(field, str) and bool(field.strip())
-    _require(ok, "`agent` must be a non-empty string", "agent")
-    return field.strip()
-
-
-def _parent(field: Any, header: str | None) -> str | None:
-    """The program this one works for (a subagent's parent: its task for the agent runtime
-    layer): body `parent_id`, then the `X-Parent-Id` header."""
-    value = field if field is not None else ((header or "").strip() or None)
-    ok = value is None or (isinstance(value, str) and 0 < len(value) <= identity.MAX_ID_CHARS)
-    limit = identity.MAX_ID_CHARS
-    _require(ok, f"`parent_id` must be a string of 1 to {limit} characters", "parent_id")
-    return value
+        program_id = header_text(request.headers, "x-program-id")
+        agent = header_text(request.headers, "x-agent-role")
+        parent = header_text(request.headers, "x-parent-id")
+    except LabelError as e:
+        raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
+    return Hints(program_id or None, agent or None, identity.namespace(key), parent or None)
 
 
 def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def _require(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise ApiError(400, message, param=param, code="invalid_value")
-
-
-def validate(kind: str, body: dict[str, Any]) -> None:
-    """Reject what the router itself relies on, before a request takes a gate slot."""
-    if kind in ("chat", "messages"):
-        msgs = body.get("messages")
-        _require(
-            isinstance(msgs, list) and bool(msgs) and all(isinstance(m, dict) for m in msgs),
-            "`messages` must be a non-empty array of message objects",
-            "messages",
-        )
-        _require(
-            all(isinstance(m.get("role"), str) for m in msgs),
-            "every message needs a string `role`",
-            "messages",
-        )
-    else:
-        prompt = body.get("prompt")
-        _require(
-            isinstance(prompt, str | list) and bool(prompt),
-            "`prompt` must be a non-empty string or array",
-            "prompt",
-        )
-    if kind == "messages":
-        _require(
-            _positive_int(body.get("max_tokens")),
-            "`max_tokens` must be an integer >= 1",
-            "max_tokens",
-        )
-    for field in ("max_tokens", "max_completion_tokens", "n"):
-        if body.get(field) is not None:
-            _require(_positive_int(body[field]), f"`{field}` must be an integer >= 1", field)
-    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        if body.get(field) is not None:
-            _require(_number(body[field]), f"`{field}` must be a number", field)
-    if "stream" in body:
-        _require(isinstance(body["stream"], bool | None), "`stream` must be a boolean", "stream")
-    if body.get("model") is not None:
-        _require(isinstance(body["model"], str), "`model` must be a string", "model")
-    if body.get("stream_options") is not None:
-        _require(
-            isinstance(body["stream_options"], dict),
-            "`stream_options` must be an object",
-            "stream_options",
-        )
-    if body.get("tools") is not None:
-        _require(isinstance(body["tools"], list), "`tools` must be an array", "tools")
 
 
 # --- auth -----------------------------------------------------------------------------
@@ -395,19 +285,22 @@ class Auth:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    def shaped(request: Request, error: ApiError) -> Response:
+        return error.response(anthropic=request.url.path.startswith("/v1/messages"))
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
-        return exc.response()
+        return shaped(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return ApiError(exc.status_code, message).response()
+        return shaped(request, ApiError(exc.status_code, message))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        return ApiError(400, "invalid request parameters").response()
+        return shaped(request, ApiError(400, "invalid request parameters"))
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> Response:
-        return ApiError(500, "internal router error", code="internal_error").response()
+        return shaped(request, ApiError(500, "internal router error", code="internal_error"))

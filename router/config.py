@@ -79,10 +79,16 @@ class RouterConfig(BaseModel):
     health_interval_s: float = Field(default=5.0, gt=0)
     health_timeout_s: float = Field(default=5.0, gt=0)
     health_failures: int = Field(default=3, ge=1)
+    # passive outlier detection (router/outliers.py)
+    stall_s: float = Field(default=2.0, gt=0)  # silence with requests in flight -> probe
+    outlier_failures: int = Field(default=5, ge=1)  # failed requests in a row -> eject
+    eject_s: float = Field(default=10.0, gt=0)  # first ejection; doubles per repeat
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_retries: int = Field(default=2, ge=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)  # whole request body, else 408
+    worker_parse_bytes: int = Field(default=256 * 1024, ge=0)  # larger bodies: parse process
     api_keys: list[str] = Field(default_factory=list)
     admin_key: str | None = None
     log_level: str = "info"

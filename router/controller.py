@@ -22,6 +22,7 @@ from router.config import RouterConfig
 from router.engines import HintsUnsupported, Replica, make_replicas
 from router.gate import Gate
 from router.metrics import RouterMetrics
+from router.outliers import Outliers
 from router.policy import Policy, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity
@@ -51,6 +52,7 @@ class Router:
         self.policy = policy or make_policy(config.policy, config.policy_config())
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
+        self.outliers = Outliers(clock, config.stall_s, config.outlier_failures, config.eject_s)
         self.client, self.pools, self.replicas = make_replicas(config)
         self.epoch = 0
         self.in_flight = 0
@@ -58,6 +60,7 @@ class Router:
         self._hints_dirty = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # health probe in flight per replica
         self._next_wakeup = getattr(self.policy, "next_wakeup", None)  # predictive only
         # agent runtime layer (CacheSage): events in, actions out; None for other policies
         self._observe = getattr(self.policy, "observe", None)
@@ -89,7 +92,7 @@ class Router:
             else:
                 self.policy.add_replica(replica.url, result)
         self.metrics.refresh_tiers(self.policy)
-        loops = [self._tick_loop, self._capacity_loop, self._health_loop]
+        loops = [self._tick_loop, self._capacity_loop, self._health_loop, self._outlier_loop]
         if self.policy.sends_hints:
             loops.append(self._hint_loop)
         self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
@@ -110,6 +113,8 @@ class Router:
                 await task
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
+        for probe in list(self._probes.values()):  # a hung replica's probe: not waited for
+            probe.cancel()
         await self.client.aclose()
         for pool in self.pools:
             await pool.aclose()
@@ -226,14 +231,19 @@ class Router:
         return True
 
     # replica failures -------------------------------------------------------------
-    def drain(self, replica: Replica, why: str) -> None:
-        """Take a replica out: its programs go to WAITING and are re-placed elsewhere."""
+    def drain(self, replica: Replica, why: str, reason: str) -> None:
+        """Take a replica out: its programs go to WAITING and are re-placed, its silent
+        requests are cut (they fail over or end with an error), and it stays out for the
+        outlier back-off before a passing health check may readmit it."""
         if not self.policy.tiers.healthy.get(replica.url, False):
             return
-        log.warning("replica %s drained: %s", replica.url, why)
+        span = self.outliers.eject(replica.url)
+        log.warning("replica %s drained for at least %.0f s: %s", replica.url, span, why)
         replica.failures = max(replica.failures, self.config.health_failures)
         self.apply(self.policy.set_healthy(replica.url, False, self.clock()))
         self.metrics.replica_healthy.labels(replica.url).set(0)
+        self.metrics.ejections.labels(replica.url, reason).inc()
+        self.outliers.cut_silent(replica.url, f"replica drained: {why}")
 
     async def _rejoin(self, replica: Replica) -> None:
         try:
@@ -301,12 +311,42 @@ class Router:
             healthy = self.policy.tiers.healthy[replica.url]
             if ok:
                 replica.failures = 0
-                if not healthy:
+                if not healthy and self.outliers.may_rejoin(replica.url):
                     await self._rejoin(replica)
                 continue
             replica.failures += 1
             if healthy and replica.failures >= self.config.health_failures:
-                self.drain(replica, f"{replica.failures} failed health checks")
+                self.drain(replica, f"{replica.failures} failed health checks", "health")
+
+    async def _outlier_loop(self) -> None:
+        await self._every(self.config.stall_s / 4, self.watch_outliers)
+
+    def watch_outliers(self) -> None:
+        """Silent replicas: a drained one has its silent requests cut; a healthy one is
+        probed (at most once per `stall_s`) and drained if the probe fails."""
+        for url in self.outliers.silent():
+            replica = self.replicas[url]
+            if not self.policy.tiers.healthy[url]:
+                self.outliers.cut_silent(url, "replica drained and silent")
+            elif self.outliers.due_probe(url):
+                silence = f"no byte for {self.config.stall_s:g} s with requests in flight"
+                self.spawn(self.confirm(replica, silence, "stalled"))
+
+    def probe(self, replica: Replica) -> asyncio.Future[bool]:
+        """The replica's health probe: one in flight at a time, shared by all who ask."""
+        probe = self._probes.get(replica.url)
+        if probe is None:
+            probe = self._probes[replica.url] = asyncio.ensure_future(replica.healthy())
+            probe.add_done_callback(lambda _: self._probes.pop(replica.url, None))
+        return probe
+
+    async def confirm(self, replica: Replica, why: str, reason: str) -> bool:
+        """After a sign that may be the request's doing as much as the replica's: drain
+        the replica only if its probe fails too. True when it was drained."""
+        if await asyncio.shield(self.probe(replica)):
+            return False
+        self.drain(replica, f"{why}; health probe failed", reason)
+        return True
 
     # hints ---------------------------------------------------------------------------
     async def _hint_loop(self) -> None:

@@ -30,7 +30,7 @@ from router.replay.cli import replay_with_progress
 from router.replay.client import ReplayConfig
 from router.replay.records import RunResult
 from router.replay.report import console as report_console
-from router.replay.report import ratio_table, results_table, write_reports
+from router.replay.report import print_results, write_reports
 from router.replay.trace import TraceError, TraceProgram, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--policies",
         "--policy",
         dest="policies",
-        default="mori,ta+o",
+        default="mori,ta+o,smg",
         help="comma list of router policies to compare, each on a fresh stack "
         f"({', '.join(policy_names())})",
     )
@@ -61,6 +61,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="emulated replicas")
     parser.add_argument("--out", default="out/demo", help="where the JSON/CSV/plots go")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--wide", action="store_true", help="results table with every metric (over 80 columns)"
+    )
     parser.add_argument(
         "--keep-running",
         action="store_true",
@@ -236,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
                 if result is None:  # --keep-running: the stack was held until it stopped
                     return 1
                 results.append(result)
-            _report(results, Path(args.out), trace, args.concurrency, console)
+            _report(results, args, trace, console)
             return 0
     except KeyboardInterrupt:
         console.print("[yellow]mori demo: interrupted, shutting down[/yellow]")
@@ -285,13 +288,10 @@ def _hold(router: str, stack: Stack, console: Console) -> None:
 
 
 def _report(
-    results: list[RunResult], out: Path, trace: Path, concurrency: int, console: Console
+    results: list[RunResult], args: argparse.Namespace, trace: Path, console: Console
 ) -> None:
     """The policies side by side, MORI's ratios, and the JSON/CSV/plots."""
-    title = f"mori demo: {concurrency} programs, {trace.name}"
-    console.print(results_table(results, title))
-    table = ratio_table(results)
-    if table is not None:
-        console.print(table)
-    for path in write_reports(results, out / "demo.json", title, {"trace": str(trace)}):
+    title = f"mori demo: {args.concurrency} programs, {trace.name}"
+    print_results(console, results, title, args.wide)
+    for path in write_reports(results, Path(args.out) / "demo.json", title, {"trace": str(trace)}):
         console.print(f"wrote {path}")

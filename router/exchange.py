@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,17 +29,31 @@ from router.accounting import (
 from router.agent_identity import Anchor
 from router.controller import Router
 from router.engines import Replica
-from router.errors import ApiError, error_body
+from router.errors import ApiError, anthropic_error_body, error_body
 from router.gate import GateTimeout, ProgramEnded
+from router.outliers import Attempt
 
 log = logging.getLogger("mori.exchange")
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-PASSED_HEADERS = ("anthropic-version", "anthropic-beta", "x-request-id")
 
 
 class _Retry(Exception):
     """The replica failed before the client saw a byte: another replica may serve it."""
+
+    def __init__(self, why: str, certain: bool = False) -> None:
+        super().__init__(why)
+        # certain: the replica is at fault (it refused the connection, or it was already
+        # drained); else the request may be, and a health probe decides (Router.confirm)
+        self.certain = certain
+
+
+def replica_fault(error: httpx.TransportError) -> bool:
+    """Whether a transport failure is the replica's doing. Building the request (a header
+    httpx refuses, a pool limit of ours) is not: such a request must never drain a replica."""
+    return not isinstance(
+        error, httpx.LocalProtocolError | httpx.UnsupportedProtocol | httpx.PoolTimeout
+    )
 
 
 class ClientGone(Exception):
@@ -53,7 +66,8 @@ class Call:
 
     path: str  # upstream path, e.g. /v1/chat/completions
     anthropic: bool
-    body: dict[str, Any]  # program_id already stripped
+    content: bytes  # the engine's body (router/intake.py: program_id out, session_id in)
+    rid: str  # the engine request id (aborts name it)
     program_id: str
     stream: bool
     client_wants_usage: bool
@@ -72,11 +86,14 @@ class Exchange(Response):
         self.background = None
         self.router = router
         self.call = call
-        rid = call.body.get("rid")
-        self.rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
+        self.rid = call.rid
         self.started = False  # response headers went to the client
         self.outcome = "ok"
         self.replica: Replica | None = None
+        # the current attempt for the outlier books: True served, False the replica
+        # failed it, None neither (the client left, or the request could not be sent)
+        self.verdict: bool | None = None
+        self.failed_on: list[Replica] = []  # replicas an attempt of this request failed on
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request in this task; a watcher cancels it if the client leaves."""
@@ -160,15 +177,16 @@ class Exchange(Response):
                 return
             except _Retry as e:
                 r.metrics.requests.labels(replica.url, "retried").inc()
-                r.drain(replica, str(e))
+                if e.certain:
+                    r.drain(replica, str(e), "connect")
+                else:
+                    await r.confirm(replica, str(e), "failed")
             finally:
                 now = r.clock()
                 r.apply(policy.on_response(pid, now, usage.context_tokens))
                 if usage.tool:
                     r.apply(policy.on_tool_start(pid, now, usage.tool, agent=self.call.agent))
-        raise ApiError(
-            502, "no healthy replica could serve the request", code="upstream_unavailable"
-        )
+        raise ApiError(502, "no engine replica answered the request", code="upstream_unavailable")
 
     async def _gated(self, deadline: float) -> str:
         """Wait for the program's replica; on any exit but success the request is cancelled."""
@@ -183,41 +201,75 @@ class Exchange(Response):
         return url
 
     # forwarding ----------------------------------------------------------------------
-    def _upstream_body(self) -> bytes:
-        body = dict(self.call.body)
-        body["session_id"] = self.call.program_id
-        if not self.call.anthropic:
-            body["rid"] = self.rid
-            if self.call.stream:
-                options = body.get("stream_options")
-                body["stream_options"] = {**(options or {}), "include_usage": True}
-        return json.dumps(body, separators=(",", ":")).encode()
-
     async def _forward(self, replica: Replica, send: Send) -> Usage:
+        """One attempt on `replica`, in the outlier books: cut (TimeoutError from its
+        cutoff) when the replica is drained while the attempt is silent."""
+        r = self.router
+        self.verdict = None
+        cutoff = asyncio.timeout(None)
+        attempt = r.outliers.begin(replica.url, cutoff)
+        try:
+            async with cutoff:
+                return await self._relay(replica, send, attempt)
+        except TimeoutError:
+            if attempt.cut_reason is None:
+                raise
+            self.verdict = False
+            if not self.started:
+                raise _Retry(attempt.cut_reason, certain=True) from None
+            log.warning(
+                "request %s on %s cut mid-stream: %s", self.rid, replica.url, attempt.cut_reason
+            )
+            await self._fail_stream(send, "the engine replica stopped responding mid-stream")
+            return Usage()
+        finally:
+            # one failure per request and replica: a request that fails on every retry
+            # (it may be the cause) adds one to the streak, not max_retries + 1
+            verdict = None if self.verdict is False and replica in self.failed_on else self.verdict
+            if verdict is False:
+                self.failed_on.append(replica)
+            if r.outliers.end(attempt, verdict):
+                failures = r.config.outlier_failures
+                r.drain(replica, f"{failures} requests in a row failed", "failures")
+
+    async def _relay(self, replica: Replica, send: Send, attempt: Attempt) -> Usage:
         headers = {"content-type": "application/json", **self.call.headers}
         complete = False
         try:
-            upstream = await replica.open(self.call.path, self._upstream_body(), headers)
+            upstream = await replica.open(self.call.path, self.call.content, headers)
         except httpx.TransportError as e:
-            raise _Retry(f"{type(e).__name__} before the response started") from None
+            if not replica_fault(e):
+                raise ApiError(
+                    400, "the request could not be sent to the engine", code="invalid_request"
+                ) from None
+            self.verdict = False
+            connect = isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+            raise _Retry(f"{type(e).__name__} before the response started", connect) from None
+        attempt.last_byte = self.router.clock()
         try:
             if upstream.status_code >= 400:
+                self.verdict = True  # an answer, even an error: the replica is serving
                 await self._relay_error(upstream, send)
                 complete = True
                 return Usage()
             relay = self._relay_stream if self.call.stream else self._relay_body
-            usage = await relay(upstream, replica, send)
+            usage = await relay(upstream, replica, send, attempt)
             complete = True
+            if self.verdict is None:
+                self.verdict = True
             return usage
         finally:
             if not complete:
                 self.router.spawn(replica.abort(self.rid))
             await upstream.aclose()
 
-    async def _relay_body(self, upstream: httpx.Response, replica: Replica, send: Send) -> Usage:
+    async def _relay_body(
+        self, upstream: httpx.Response, replica: Replica, send: Send, attempt: Attempt
+    ) -> Usage:
         try:
             content = await upstream.aread()
         except httpx.TransportError as e:
+            self.verdict = False
             raise _Retry(f"{type(e).__name__} while reading the answer") from None
         usage = (anthropic_body if self.call.anthropic else openai_body)(content)
         now = self.router.clock()
@@ -227,13 +279,16 @@ class Exchange(Response):
         self._account(replica, usage)
         return usage
 
-    async def _relay_stream(self, upstream: httpx.Response, replica: Replica, send: Send) -> Usage:
+    async def _relay_stream(
+        self, upstream: httpx.Response, replica: Replica, send: Send, attempt: Attempt
+    ) -> Usage:
         parser = (AnthropicStream if self.call.anthropic else OpenAIStream)(
             self.call.client_wants_usage
         )
-        chunks = upstream.aiter_raw()
+        clock = self.router.clock
         try:
-            async for chunk in chunks:
+            async for chunk in upstream.aiter_raw():
+                attempt.last_byte = clock()
                 out = parser.feed(chunk)
                 if not self.started:
                     if not out:
@@ -245,11 +300,14 @@ class Exchange(Response):
                 if out:
                     await self._body(send, out, more=True)
         except httpx.TransportError as e:
+            self.verdict = False
             if not self.started:
                 raise _Retry(f"{type(e).__name__} before the first byte") from None
-            self.outcome = "error"
             log.warning("replica %s failed mid-stream: %s", replica.url, e)
-            await self._body(send, _sse_error("the engine replica failed mid-stream"), more=False)
+            self.router.spawn(
+                self.router.confirm(replica, f"{type(e).__name__} mid-stream", "failed")
+            )
+            await self._fail_stream(send, "the engine replica failed mid-stream")
             return parser.finish()
         tail = parser.flush()
         if not self.started:
@@ -260,16 +318,16 @@ class Exchange(Response):
         return usage
 
     async def _relay_error(self, upstream: httpx.Response, send: Send) -> None:
-        """Pass an engine error on, in OpenAI shape whatever the engine sent."""
-        content = await upstream.aread()
+        """Pass an engine error on in the client API's shape, whatever the engine sent."""
         status = upstream.status_code
         try:
+            content = await upstream.aread()
             doc = json.loads(content)
-        except ValueError:
+        except (httpx.TransportError, ValueError):
             doc = None
-        if not (isinstance(doc, dict) and isinstance(doc.get("error"), dict | str)):
-            message = doc.get("detail") if isinstance(doc, dict) else None
-            content = error_body(status, str(message or f"engine answered {status}"))
+        if not _error_shaped(doc, self.call.anthropic):
+            message = str(_error_message(doc) or f"engine answered {status}")
+            content = (anthropic_error_body if self.call.anthropic else error_body)(status, message)
         self.outcome = "error"
         await self._send(send, status, [(b"content-type", b"application/json")], content)
 
@@ -307,20 +365,44 @@ class Exchange(Response):
         await self._start(send, status, [*headers, (b"content-length", str(len(content)).encode())])
         await self._body(send, content, more=False)
 
+    async def _fail_stream(self, send: Send, message: str) -> None:
+        """End a started stream with an error event the client's SDK raises on."""
+        self.outcome = "error"
+        error = ApiError(502, message, code="upstream_error")
+        await self._body(send, error.sse(self.call.anthropic), more=False)
+
     async def _error(self, send: Send, error: ApiError) -> None:
         if self.started:  # mid-stream: the status is gone, tell the client in the stream
             with contextlib.suppress(ClientGone):
-                await self._body(send, _sse_error(error.message), more=False)
+                await self._body(send, error.sse(self.call.anthropic), more=False)
             return
         headers = [(k.encode(), v.encode()) for k, v in error.headers.items()]
         with contextlib.suppress(ClientGone):
             await self._send(
-                send, error.status, [(b"content-type", b"application/json"), *headers], error.body()
+                send,
+                error.status,
+                [(b"content-type", b"application/json"), *headers],
+                error.body(self.call.anthropic),
             )
 
 
-def _sse_error(message: str) -> bytes:
-    return b"data: " + error_body(502, message, code="upstream_error") + b"\n\n"
+def _error_shaped(doc: Any, anthropic: bool) -> bool:
+    """Whether an engine's error body already has the client API's error shape."""
+    if not isinstance(doc, dict):
+        return False
+    if anthropic:
+        return doc.get("type") == "error" and isinstance(doc.get("error"), dict)
+    return isinstance(doc.get("error"), dict | str)
+
+
+def _error_message(doc: Any) -> Any:
+    """The message of an engine error body in any common shape (FastAPI, OpenAI, Anthropic)."""
+    if not isinstance(doc, dict):
+        return None
+    inner = doc.get("error")
+    if isinstance(inner, dict):
+        return inner.get("message")
+    return inner if isinstance(inner, str) else doc.get("detail") or doc.get("message")
 
 
 async def _disconnected(receive: Receive) -> None:

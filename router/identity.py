@@ -14,32 +14,28 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-MAX_ID_CHARS = 256
+from router.sanitize import check_label
+
 PROMPT_PREFIX_CHARS = 2048  # completions API: the start of the prompt stands for the system part
 
 
-class IdentityError(ValueError):
-    """The request names a program id that cannot be used (wrong type, too long)."""
-
-
-def _explicit(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+def _explicit(body: Mapping[str, Any], header: str | None) -> str | None:
+    """The first explicit id, checked as a label: a bad one is an error (LabelError naming
+    its source), never a silent fallback to the next source."""
     candidates: list[tuple[str, Any]] = [("program_id", body.get("program_id"))]
     extra = body.get("extra_body")
     if isinstance(extra, Mapping):
         candidates.append(("extra_body.program_id", extra.get("program_id")))
-    candidates.append(("X-Program-Id", headers.get("x-program-id")))
+    candidates.append(("X-Program-Id", header))
     meta = body.get("metadata")
     if isinstance(meta, Mapping):
         candidates.append(("metadata.user_id", meta.get("user_id")))
     for where, value in candidates:
         if value is None:
             continue
-        if not isinstance(value, str | int) or isinstance(value, bool):
-            raise IdentityError(f"{where} must be a string")
-        value = str(value)
-        if not value or len(value) > MAX_ID_CHARS:
-            raise IdentityError(f"{where} must be 1 to {MAX_ID_CHARS} characters")
-        return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # numeric ids (e.g. a task number) are their decimal text
+        return check_label(value, where)
     return None
 
 
@@ -82,7 +78,7 @@ def namespace(api_key: str | None) -> str:
     return "k" + hashlib.sha256(api_key.encode()).hexdigest()[:8] + "/"
 
 
-def resolve(body: Mapping[str, Any], headers: Mapping[str, str], api_key: str | None) -> str:
-    """The router-wide program id of a request (namespaced by the client's key)."""
-    local = _explicit(body, headers) or fingerprint(body)
-    return namespace(api_key) + local
+def resolve(body: Mapping[str, Any], header: str | None, namespace_tag: str) -> str:
+    """The router-wide program id of a request: the explicit id (`header` is the
+    `X-Program-Id` value) or the fingerprint, behind the client key's `namespace`."""
+    return namespace_tag + (_explicit(body, header) or fingerprint(body))

@@ -20,6 +20,11 @@ from router.policy.types import Move, Placement, Tier
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
+# connect: a connection to it failed; failed: a request failed at the transport level and
+# the health probe failed; failures: `outlier_failures` requests in a row failed that way;
+# stalled: silent with requests in flight and the probe failed; health: `health_failures`
+# failed health checks in a row
+EJECTION_REASONS = ("connect", "failed", "failures", "stalled", "health")
 
 
 class RouterMetrics:
@@ -99,6 +104,12 @@ class RouterMetrics:
         self.replica_healthy = Gauge(
             "mori_replica_healthy", "1 healthy, 0 drained", ["replica"], registry=r
         )
+        self.ejections = Counter(
+            "mori_replica_ejections",
+            "replicas taken out of service, by cause",
+            ["replica", "reason"],
+            registry=r,
+        )
         self.tick_seconds = Histogram(
             "mori_tick_seconds",
             "time spent in one policy tick",
@@ -112,6 +123,8 @@ class RouterMetrics:
         for result in ("ok", "error", "unsupported"):
             self.hint_pushes.labels(replica, result)
         self.hint_unsupported.labels(replica)
+        for reason in EJECTION_REASONS:
+            self.ejections.labels(replica, reason)
         for outcome in ("ok", "error", "timeout", "ended", "client_disconnect", "retried"):
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):

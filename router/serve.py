@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: one line per hint push and health check would
+    # drown the router's own log; the router logs the failures that matter itself.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     app = create_app(config)
     uvicorn.run(
         app,

@@ -55,14 +55,15 @@ def emulators(count: int, *args: str) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def router(replicas: list[Any], **settings: Any) -> Iterator[str]:
-    """A `mori serve` process configured by a YAML file; yields its base URL."""
+def router(replicas: list[Any], log: Path | None = None, **settings: Any) -> Iterator[str]:
+    """A `mori serve` process configured by a YAML file; yields its base URL. Its output
+    goes to the file `log` when given."""
     port = free_port()
     config = {**FAST, **settings, "replicas": replicas, "port": port, "host": "127.0.0.1"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(config))
-        with spawn(mori("serve", "--config", str(path)), port):
+        with spawn(mori("serve", "--config", str(path)), port, log=log):
             yield f"http://127.0.0.1:{port}"
 
 
@@ -117,9 +118,19 @@ class ScriptedReplica:
     """A minimal engine double for faults the emulator does not stage: hint endpoint
     errors, and recording the aborts the router sends."""
 
-    def __init__(self, hints_status: int = 200, tokens: int = 3, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        hints_status: int = 200,
+        tokens: int = 3,
+        delay_s: float = 0.0,
+        chat_status: int = 200,
+        break_streams: bool = False,
+    ) -> None:
         self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
+        self.chat_status = chat_status  # an engine answering every chat request with an error
+        self.break_streams = break_streams  # streams cut off after their first chunk
         self.hint_calls = 0
+        self.chat_calls = 0
         self.aborts: list[str] = []
         self.app = Starlette(
             routes=[
@@ -158,6 +169,9 @@ class ScriptedReplica:
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
+        self.chat_calls += 1
+        if self.chat_status != 200:
+            return JSONResponse({"detail": "engine failure"}, status_code=self.chat_status)
         usage = {
             "prompt_tokens": 5,
             "completion_tokens": self.tokens,
@@ -174,6 +188,8 @@ class ScriptedReplica:
                 delta = {"index": 0, "delta": {"content": "x"}, "finish_reason": None}
                 yield "data: " + json.dumps({"id": body["rid"], "choices": [delta]}) + "\n\n"
                 await asyncio.sleep(self.delay_s)
+                if self.break_streams:  # the server drops the connection mid-body
+                    raise ConnectionResetError("stream broken on purpose")
             yield "data: " + json.dumps({"id": body["rid"], "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
 

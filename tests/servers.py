@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -28,12 +29,15 @@ def spawn(
     health_path: str = "/health",
     timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    log: Path | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """Run `args` (argv), wait until GET health_path answers 200, kill the group on exit."""
+    """Run `args` (argv), wait until GET health_path answers 200, kill the group on exit.
+    Its output goes to `log` when given (a file never blocks a chatty server), else a pipe."""
+    out = log.open("wb") if log is not None else subprocess.PIPE
     proc = subprocess.Popen(
         args,
         env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
+        stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
@@ -42,6 +46,8 @@ def spawn(
         yield proc
     finally:
         stop(proc)
+        if log is not None:
+            out.close()
 
 
 def mori(*argv: str) -> list[str]:
@@ -66,7 +72,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else "(see its log)"
             raise RuntimeError(f"server exited with {proc.returncode} before {url} was up:\n{out}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=1.0).status_code == 200:

@@ -28,12 +28,12 @@ def test_short_demo_compares_policies_and_stops_its_servers(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "demo.json").read_text())
     rows = {row["policy"]: row for row in report["results"]}
-    assert set(rows) == {"mori", "ta+o"}  # the default comparison
+    assert set(rows) == {"mori", "ta+o", "smg"}  # the default comparison
     for row in rows.values():
         assert set(JSON_FIELDS) <= set(row) and row["concurrency"] == 6
         assert row["output_tok_s"] > 0 and row["steps_s"] > 0 and row["failed_steps"] == 0
         assert 0 < row["hit_device"] + row["hit_host"] <= 1
-    assert [r["versus"] for r in report["ratios"]] == ["ta+o"]
+    assert sorted(r["versus"] for r in report["ratios"]) == ["smg", "ta+o"]
     assert "mori relative to each policy" in done.stdout
     assert (tmp_path / "demo.csv").is_file() and (tmp_path / "demo-throughput.png").is_file()
     for policy in rows:

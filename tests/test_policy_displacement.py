@@ -65,14 +65,37 @@ def test_no_displacement_when_the_move_does_not_pay():
     assert policy.route("n") is None
 
 
-def test_recent_return_waits_raise_the_bar():
-    """Programs moved off the GPU have waited 100 s at the gate lately: moving one more for
-    an expected 5 s away does not pay."""
+def test_recent_return_waits_raise_the_bar_for_a_recompute():
+    """Programs moved off the GPU have waited 100 s at the gate lately: moving one more,
+    to be recomputed (no host room), for an expected 5 s away does not pay."""
+    policy = make(cpu=0)
+    policy.return_wait_s = 100.0
+    acting(policy, "a", 0.0, 800)  # recompute alone: 0.8 s
+    policy.on_request("n", 2.0, 400)
+    assert policy.route("n") is None
+
+
+def test_return_waits_do_not_count_when_the_kv_stays_on_host():
     policy = make()
     policy.return_wait_s = 100.0
     acting(policy, "a", 0.0, 800)
     policy.on_request("n", 2.0, 400)
+    assert policy.route("n") == "r0" and where(policy, "a") == CPU0
+
+
+def test_a_recompute_is_priced_per_step_it_stalls():
+    """Recomputing a (1.2 s of prefill) pauses the 4 steps running beside it: 6 s of
+    stalled steps against an expected 5 s away does not pay; alone it would."""
+    policy = make(gpu=2000, cpu=0)
+    acting(policy, "a", 0.0, 1200)
+    for i in range(4):
+        policy.on_request(f"r{i}", 1.5, 100)  # running steps
+    policy.on_request("n", 2.0, 800)
     assert policy.route("n") is None
+    alone = make(gpu=2000, cpu=0)
+    acting(alone, "a", 0.0, 1200)
+    alone.on_request("n", 2.0, 1000)
+    assert alone.route("n") == "r0" and where(alone, "a") == WAIT
 
 
 def test_return_wait_is_learned_from_programs_that_lost_their_room():

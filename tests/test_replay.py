@@ -13,6 +13,7 @@ from router.replay.client import Replay, ReplayConfig, cached_split
 from router.replay.prompts import Conversation, common_prefix_tokens, count_tokens, render_chat
 from router.replay.report import JSON_FIELDS
 from router.replay.trace import TraceProgram, TraceStep, dump_trace
+from tests.router_harness import router
 from tests.servers import free_port, mori, spawn
 
 STEPS = (
@@ -144,8 +145,6 @@ def test_replay_cli_writes_the_sim_json_shape(emulator, corpus_file, tmp_path):
         "20",
         "--json",
         str(out),
-        "--policy-label",
-        "direct",
     )
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -153,8 +152,18 @@ def test_replay_cli_writes_the_sim_json_shape(emulator, corpus_file, tmp_path):
     row = doc["results"][0]
     assert set(JSON_FIELDS) <= set(row)
     assert row["policy"] == "direct" and row["concurrency"] == 2 and row["output_tok_s"] > 0
+    assert row["cpu_ratio"] == 2.0  # asked of the engine: host tokens / GPU tokens
     for suffix in (".csv", ".steps.csv", "-throughput.png", "-ttft.png"):
         assert (tmp_path / f"live{suffix}").stat().st_size > 0
+
+
+def test_live_replay_asks_the_router_for_its_policy_and_cpu_ratio(emulator, corpus_file):
+    _, programs = corpus_file
+    spec = {"url": emulator, "gpu_tokens": 40000, "cpu_tokens": 60000}
+    with router([spec], policy="ta+o") as base:
+        config = ReplayConfig(base + "/v1", concurrency=1, duration_s=1.0, time_scale=20)
+        result = asyncio.run(Replay(programs, config).run())
+    assert (result.policy, result.cpu_ratio) == ("ta+o", 1.5)
 
 
 def test_replay_cli_rejects_bad_input(tmp_path):

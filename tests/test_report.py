@@ -8,7 +8,13 @@ import json
 from rich.console import Console
 
 from router.replay.records import RunResult
-from router.replay.report import ratio_table, ratios, results_table, write_reports
+from router.replay.report import (
+    print_results,
+    ratio_table,
+    ratios,
+    results_table,
+    write_reports,
+)
 
 KEYS = {
     "policy",
@@ -69,7 +75,24 @@ def test_ratios_compare_mori_to_every_other_policy_per_cell():
 
 def test_tables_render():
     console = Console(record=True, width=200)
-    console.print(results_table(RESULTS, "cells"))
+    console.print(results_table(RESULTS, "cells", wide=True))
     console.print(ratio_table(RESULTS))
     text = console.export_text()
-    assert "ta+o" in text and "1.50x" in text and "out tok/s" in text
+    assert "ta+o" in text and "1.50x" in text and "out tok/s" in text and "TTFT p50" in text
+
+
+def test_default_tables_fit_80_columns_untruncated():
+    """A fresh terminal is 80 columns: every cell is shown whole (no `49…`)."""
+    console = Console(record=True, width=80)
+    print_results(console, RESULTS + [result("mori+predict", 80, 2.0, 1234.5)], "cells", False)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "1234.5" in text and "mori+predict" in text and "1.50x" in text
+    assert "TTFT p50" not in text  # `--wide` adds the rest
+
+
+def test_wide_tables_are_not_cut_at_80_columns():
+    console = Console(record=True, width=80)
+    print_results(console, RESULTS, "cells", wide=True)
+    text = console.export_text()
+    assert "…" not in text and "TTFT p50" in text and "churn" in text

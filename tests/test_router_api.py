@@ -180,9 +180,11 @@ def test_admin_views_and_metrics(base, replicas):
 
 @pytest.fixture
 def tight(replicas):
-    """One replica whose GPU tier holds one ~2000-token program, and no CPU tier."""
+    """One replica whose GPU tier holds one ~2000-token program, and no CPU tier; the
+    paper's policy, which never moves an idle program for a new one (the gate's own
+    mechanics are under test; the default's displacement: test_router_admission.py)."""
     spec = {"url": replicas[0], "gpu_tokens": 3000, "cpu_tokens": 0}
-    with router([spec], gate_timeout_s=3.0) as url:
+    with router([spec], gate_timeout_s=3.0, policy="mori-paper") as url:
         yield url
 
 

@@ -46,7 +46,9 @@ def test_replica_killed_mid_stream():
         procs = {url_a: proc_a, url_b: proc_b}
         with router([url_a, url_b]) as base:
             c = client(base)
-            stream = c.chat.completions.create(**chat("victim", max_tokens=400), stream=True)
+            stream = c.chat.completions.create(
+                **chat("victim", max_tokens=400, extra_body={"ignore_eos": True}), stream=True
+            )
             first = next(iter(stream))
             assert first.choices
             doomed = _replica_of(base, "victim")

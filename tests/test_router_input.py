@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 from router.accounting import OpenAIStream
 from router.api import create_app
 from router.config import ConfigError, load_config
-from router.identity import IdentityError, fingerprint, resolve
+from router.errors import ApiError
+from router.identity import fingerprint, namespace, resolve
+from router.intake import Hints, Intake, prepare
+from router.sanitize import LabelError
 from tests.router_harness import emulators
 from tests.servers import mori
 
@@ -76,15 +79,34 @@ def test_config_errors_never_echo_secrets(tmp_path):
 
 def test_program_id_sources_in_order():
     body = {"program_id": "a", "extra_body": {"program_id": "b"}, "metadata": {"user_id": "d"}}
-    assert resolve(body, {"x-program-id": "c"}, None) == "a"
-    assert resolve({"extra_body": {"program_id": "b"}}, {"x-program-id": "c"}, None) == "b"
-    assert resolve({"metadata": {"user_id": "d"}}, {"x-program-id": "c"}, None) == "c"
-    assert resolve({"metadata": {"user_id": "d"}}, {}, None) == "d"
-    assert resolve({"program_id": "a"}, {}, "key1") != resolve({"program_id": "a"}, {}, "key2")
-    with pytest.raises(IdentityError):
-        resolve({"program_id": {"nested": 1}}, {}, None)
-    with pytest.raises(IdentityError):
-        resolve({"program_id": "x" * 1000}, {}, None)
+    assert resolve(body, "c", "") == "a"
+    assert resolve({"extra_body": {"program_id": "b"}}, "c", "") == "b"
+    assert resolve({"metadata": {"user_id": "d"}}, "c", "") == "c"
+    assert resolve({"metadata": {"user_id": "d"}}, None, "") == "d"
+    assert resolve({"program_id": "a"}, None, namespace("key1")) != resolve(
+        {"program_id": "a"}, None, namespace("key2")
+    )
+    with pytest.raises(LabelError):
+        resolve({"program_id": {"nested": 1}}, None, "")
+    with pytest.raises(LabelError):
+        resolve({"program_id": "x" * 1000}, None, "")
+
+
+async def test_large_bodies_are_prepared_in_the_worker_process():
+    """Above the threshold `prepare` runs in another process: same result, same errors."""
+    intake = Intake(inline_bytes=0)
+    body = {"messages": [{"role": "user", "content": "hi"}], "program_id": "big", "stream": True}
+    try:
+        here = prepare("chat", json.dumps(body).encode(), Hints())
+        there = await intake.prepare("chat", json.dumps(body).encode(), Hints())
+        assert (there.program_id, there.stream, there.rid != here.rid) == ("big", True, True)
+        assert json.loads(there.content)["session_id"] == "big"
+        bad = json.dumps({**body, "metadata": {"user_id": "x"}, "program_id": "\ud800"})
+        with pytest.raises(ApiError) as err:
+            await intake.prepare("chat", bad.encode(), Hints())
+        assert (err.value.status, err.value.param) == (400, "program_id")
+    finally:
+        intake.close()
 
 
 def test_fingerprint_follows_the_stable_start():
@@ -152,6 +174,14 @@ def _is_openai_error(r: httpx.Response) -> bool:
     return set(body["error"]) == {"message", "type", "param", "code"}
 
 
+def _is_api_error(r: httpx.Response, path: str) -> bool:
+    """OpenAI-shaped, or Anthropic-shaped on /v1/messages."""
+    if not path.startswith("/v1/messages"):
+        return _is_openai_error(r)
+    body = r.json()
+    return body["type"] == "error" and set(body["error"]) == {"type", "message"}
+
+
 BAD_REQUESTS = [
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b"", 400),
@@ -182,7 +212,7 @@ async def test_bad_requests_get_openai_errors(replica_url):
         for path, body, status in BAD_REQUESTS:
             r = await c.post(path, content=body, headers={"content-type": "application/json"})
             assert r.status_code == status, (path, body[:60], r.text)
-            assert _is_openai_error(r)
+            assert _is_api_error(r, path)
             assert "Traceback" not in r.text
         r = await c.get("/v1/programs/nobody")
         assert r.status_code == 404 and _is_openai_error(r)
@@ -277,7 +307,7 @@ def test_fuzz_never_answers_5xx(replica_url):
         statuses.append(r.status_code)
         assert r.status_code < 500, (path, body[:200], r.text[:300])
         if r.status_code >= 400:
-            assert _is_openai_error(r)
+            assert _is_api_error(r, path)
 
     loop.run_until_complete(enter())
     try:

@@ -215,7 +215,8 @@ def test_agent_role_is_validated_and_stripped_before_forwarding():
         assert httpx.get(base + "/v1/programs/anth-role").json()["agent"] == "reviewer"
 
         bad = httpx.post(base + "/v1/messages", json={**body, "agent": 7})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "agent"
+        assert bad.status_code == 400 and bad.json()["type"] == "error"  # Anthropic-shaped
+        assert bad.json()["error"]["message"] == "agent must be a string"
         assert_clean(base)
 
 

@@ -21,6 +21,7 @@ import shlex
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from router.policy.residual import DurationDistribution
@@ -179,10 +180,11 @@ class DurationPredictor:
         )
 
     @staticmethod
-    def _levels(agent: str | None, tool: str) -> list[tuple[str | None, str]]:
+    @lru_cache(maxsize=4096)
+    def _levels(agent: str | None, tool: str) -> tuple[tuple[str | None, str], ...]:
         base = tool.partition(":")[0]
         levels = [(agent, tool), (None, tool), (None, base)]
-        return list(dict.fromkeys(levels))  # drop duplicates, keep order
+        return tuple(dict.fromkeys(levels))  # drop duplicates, keep order
 
     def history(self, agent: str | None, tool: str) -> float:
         """t_hist: the most specific EWMA seen so far, else the kind's cold-start default."""

@@ -41,19 +41,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policy-label",
-        default="unknown",
-        help="the policy name the result row carries (e.g. mori, ta+o)",
+        help="the policy name the result row carries (default: asked of the router)",
     )
     parser.add_argument(
         "--cpu-ratio",
         type=float,
-        default=0.0,
-        help="the CPU ratio the result row carries (labels only)",
+        help="the CPU ratio the result row carries (default: the router's host / GPU budgets)",
     )
     parser.add_argument("--seed", type=int, default=0, help="corpus order and start jitter")
     parser.add_argument("--model", help="model name to request (default: the endpoint's first)")
     parser.add_argument("--api-key", default="none", help="API key for the endpoint")
     parser.add_argument("--json", dest="json_out", help="write results JSON (+ .csv, plots)")
+    parser.add_argument(
+        "--wide", action="store_true", help="results table with every metric (over 80 columns)"
+    )
 
 
 def write_steps_csv(records: list[StepRecord], path: Path) -> Path:
@@ -73,9 +74,10 @@ def replay_with_progress(
     json_out: str | Path | None = None,
     title: str = "",
     show_table: bool = True,
+    wide: bool = False,
 ) -> RunResult:
     """Run one replay with a progress bar, print its table, write the reports."""
-    from router.replay.report import results_table, write_reports
+    from router.replay.report import print_results, write_reports
 
     run = Replay(corpus, config)
     stats = TextColumn("{task.fields[stats]}")
@@ -99,7 +101,7 @@ def replay_with_progress(
 
         result = asyncio.run(run.run(tick))
     if show_table:
-        console.print(results_table([result], title or f"live replay at {config.endpoint}"))
+        print_results(console, [result], title or f"live replay at {config.endpoint}", wide)
     for error, count in sorted(run.progress.errors.items()):
         console.print(f"[yellow]{count} steps failed: {error}[/yellow]")
     if json_out:
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale != 1.0:
         title += f" x{args.time_scale:g} time"
     try:
-        replay_with_progress(corpus, config, console, args.json_out, title)
+        replay_with_progress(corpus, config, console, args.json_out, title, wide=args.wide)
     except ConnectionError as e:
         console.print(f"[red]mori replay: {e}[/red]")
         return 1

@@ -45,8 +45,8 @@ class ReplayConfig:
     time_scale: float = 1.0
     token_scale: float = 1.0
     seed: int = 0
-    policy_label: str = "unknown"
-    cpu_ratio: float = 0.0  # only labels the result row
+    policy_label: str | None = None  # labels the result row; None: ask the endpoint
+    cpu_ratio: float | None = None  # labels the result row; None: ask the endpoint
     model: str | None = None  # None: the endpoint's first model
     api_key: str = "none"
     start_jitter_s: float = 5.0  # trace seconds over which clients start
@@ -124,6 +124,7 @@ class Replay:
         self._live: set[str] = set()  # programs started and not ended
         self._handoffs: dict[tuple[str, str, int], asyncio.Event] = {}  # steps that ended
         self._crash: BaseException | None = None
+        self.labels = (config.policy_label or "unknown", config.cpu_ratio or 0.0)
 
     # clock ------------------------------------------------------------------------------
     def now(self) -> float:
@@ -151,6 +152,7 @@ class Replay:
         ):
             self.http, self.api = http, api
             self.model = cfg.model or await self._first_model()
+            self.labels = await self._labels()
             self._t0 = time.monotonic()
             for _ in range(cfg.concurrency):
                 self._spawn(self._slot(self.rng.uniform(0, cfg.start_jitter_s)))
@@ -186,9 +188,9 @@ class Replay:
         return summarize(
             self.records,
             trace_duration,
-            policy=cfg.policy_label,
+            policy=self.labels[0],
             concurrency=cfg.concurrency,
-            cpu_ratio=cfg.cpu_ratio,
+            cpu_ratio=self.labels[1],
             gpu_util=util,
             extra=extra,
         )
@@ -348,12 +350,46 @@ class Replay:
                 self._util = _utilisation(first, sample, self._util)
             await asyncio.sleep(UTIL_SAMPLE_S)
 
+    async def _labels(self) -> tuple[str, float]:
+        """The policy and CPU ratio the result row carries: as configured, else asked of
+        the endpoint. A MORI router names its policy and its replicas' tier budgets
+        (`/v1/replicas`); an engine itself (SGLang, `mori emulate`) is `direct`, its ratio
+        from `/get_server_info`; anything else stays `unknown`, 0."""
+        cfg = self.config
+        policy, ratio = cfg.policy_label, cfg.cpu_ratio
+        if policy is not None and ratio is not None:
+            return policy, ratio
+        found: tuple[str, float] = ("unknown", 0.0)
+        router = await self._get_json("/v1/replicas")
+        info = None if router else await self._get_json("/get_server_info")
+        with contextlib.suppress(KeyError, TypeError, ValueError, ZeroDivisionError):
+            if router:
+                gpu = sum(row["gpu"]["budget_tokens"] for row in router["data"])
+                cpu = sum(row["cpu"]["budget_tokens"] for row in router["data"])
+                found = (str(router.get("policy", "unknown")), cpu / gpu)
+            elif info:
+                gpu, cpu = info["max_total_num_tokens"], info.get("hicache_host_tokens", 0)
+                found = ("direct", float(cpu) / gpu)
+        return (
+            policy if policy is not None else found[0],
+            ratio if ratio is not None else round(found[1], 3),
+        )
+
+    async def _get_json(self, path: str) -> dict | None:
+        """GET a JSON object from the endpoint's root (with the API key); None on failure."""
+        headers = {"authorization": f"Bearer {self.config.api_key}"}
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            r = await self.http.get(self.config.base_url + path, headers=headers, timeout=5.0)
+            if r.status_code == 200 and isinstance(doc := r.json(), dict):
+                return doc
+        return None
+
     async def _replica_urls(self) -> list[str]:
         base = self.config.base_url
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            r = await self.http.get(base + "/v1/replicas", timeout=5.0)
-            if r.status_code == 200:
-                return [row["url"].rstrip("/") for row in r.json()["data"]]
+        replicas = await self._get_json("/v1/replicas")
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if replicas is not None:
+                return [row["url"].rstrip("/") for row in replicas["data"]]
         with contextlib.suppress(httpx.HTTPError):
             r = await self.http.get(base + "/mori/residency", timeout=5.0)
             if r.status_code == 200:

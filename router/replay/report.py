@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -20,7 +21,7 @@ from router.replay.records import RunResult
 
 REFERENCE = "mori"
 
-# (field, header, format) of the main table; shares are printed as percentages.
+# (field, header, format) of the main table (`--wide`); shares are printed as percentages.
 COLUMNS: list[tuple[str, str, str]] = [
     ("output_tok_s", "out tok/s", "{:.1f}"),
     ("steps_s", "steps/s", "{:.3f}"),
@@ -34,11 +35,13 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("miss", "miss", "{:.0%}"),
     ("churn", "churn", "{:.1%}"),
 ]
+# The default table fits 80 columns: throughput, TTFT, KV use and where prompts were found.
+NARROW = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "gpu_util", "hit_device", "miss")
 JSON_FIELDS = ["policy", "concurrency", "cpu_ratio"] + [c[0] for c in COLUMNS]
 
 
 def console(stderr: bool = False) -> Console:
-    """A console for reports: piped into a file, rich would cut the wide tables at 80 columns."""
+    """A console for reports: piped into a file, rich would assume 80 columns."""
     out = Console(stderr=stderr)
     return out if out.is_terminal else Console(stderr=stderr, width=160)
 
@@ -51,15 +54,34 @@ def _sorted(results: Iterable[RunResult]) -> list[RunResult]:
     return sorted(results, key=lambda r: (r.cpu_ratio, r.concurrency, r.policy))
 
 
-def results_table(results: list[RunResult], title: str = "results") -> Table:
-    """One row per cell, grouped by CPU ratio then concurrency."""
-    table = Table(title=title, header_style="bold")
-    for header in ["policy", "conc", "cpu ratio"] + [c[1] for c in COLUMNS]:
-        table.add_column(header, justify="left" if header == "policy" else "right")
+def results_table(results: list[RunResult], title: str = "results", wide: bool = False) -> Table:
+    """One row per cell, grouped by CPU ratio then concurrency. The default columns fit an
+    80-column terminal; `wide` shows every metric (print it with `print_wide`)."""
+    columns = [c for c in COLUMNS if wide or c[0] in NARROW]
+    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    longest = max((len(r.policy) for r in results), default=6)
+    table.add_column("policy", no_wrap=True, min_width=longest)  # never cut a policy name
+    for header in ["conc", "cpu ratio"] + [c[1] for c in columns]:
+        table.add_column(header, justify="right", no_wrap=not wide and " " not in header)
     for r in _sorted(results):
-        values = [fmt.format(getattr(r, key)) for key, _, fmt in COLUMNS]
+        values = [fmt.format(getattr(r, key)) for key, _, fmt in columns]
         table.add_row(r.policy, str(r.concurrency), f"{r.cpu_ratio:g}", *values)
     return table
+
+
+def print_results(console: Console, results: list[RunResult], title: str, wide: bool) -> None:
+    """The results table, then MORI's ratios; `wide` tables are never cut to the terminal
+    (long lines wrap instead)."""
+    width = console.width
+    if wide:
+        console.width = max(width, 200)  # the terminal wraps what it cannot show
+    try:
+        console.print(results_table(results, title, wide))
+    finally:
+        console.width = width
+    table = ratio_table(results)
+    if table is not None:
+        console.print(table)
 
 
 def ratios(results: list[RunResult], reference: str = REFERENCE) -> list[dict]:
@@ -95,7 +117,9 @@ def ratio_table(results: list[RunResult], reference: str = REFERENCE) -> Table |
     rows = ratios(results, reference)
     if not rows:
         return None
-    table = Table(title=f"{reference} relative to each policy", header_style="bold")
+    table = Table(
+        title=f"{reference} relative to each policy", header_style="bold", box=box.SIMPLE_HEAD
+    )
     for header in ["conc", "cpu ratio", "versus", "out tok/s ratio", "TTFT mean ratio"]:
         table.add_column(header, justify="right")
     for row in rows:

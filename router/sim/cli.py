@@ -127,6 +127,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
     parser.add_argument("--json", dest="json_out", help="write results JSON (+ .csv, plots)")
+    parser.add_argument(
+        "--wide", action="store_true", help="results table with every metric (over 80 columns)"
+    )
 
 
 def _build(args) -> tuple[Scenario, list[SimConfig]]:
@@ -196,7 +199,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from router.replay.report import console as report_console
-    from router.replay.report import ratio_table, results_table, write_reports
+    from router.replay.report import print_results, write_reports
 
     console = report_console()
     try:
@@ -223,10 +226,7 @@ def run(args) -> int:
             )
 
         results = run_cells(sc.trace, configs, args.jobs, done)
-    console.print(results_table(results, title))
-    table = ratio_table(results)
-    if table is not None:
-        console.print(table)
+    print_results(console, results, title, args.wide)
     if args.json_out:
         meta = {"scenario": str(args.scenario), "trace": sc.trace, "preset": sc.preset}
         meta.update(replicas=sc.replicas, duration_s=sc.duration_s, token_scale=sc.token_scale)

@@ -6,7 +6,8 @@ machine without a GPU. This is the imperative shell around `router.sim.model.Rep
 drives `advance()` at `next_event_time()` from one asyncio task, and turns the engine's
 events into OpenAI answers (streamed or not) with SGLang's usage fields.
 
-What is emulated: POST /v1/chat/completions and /v1/completions, GET /get_server_info,
+What is emulated: POST /v1/chat/completions, /v1/completions and /v1/messages (the
+Anthropic API as SGLang serves it, router/sim/anthropic.py), GET /get_server_info,
 POST /abort_request, GET /health, GET /v1/models, and the MORI hint protocol
 (POST /mori/hints, GET /mori/residency; docs/hint-protocol.md). Prompt tokens are counted
 with the convention of `router.replay.prompts` (4 characters per token), so a prompt that
@@ -35,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.errors import ApiError
 from router.policy.types import EngineMode, Hint
 from router.replay import prompts
+from router.sim import anthropic
 from router.sim import model as cost_model
 from router.sim.presets import PRESETS, get_preset
 
@@ -120,7 +122,8 @@ def _program_of(body: dict, prompt_text: str) -> str:
 
 def _natural_length(prompt_text: str) -> int:
     """Tokens a request 'wants' without ignore_eos: 16-64, a hash of the prompt."""
-    return 16 + int(hashlib.blake2b(prompt_text.encode(), digest_size=2).hexdigest(), 16) % 49
+    digest = hashlib.blake2b(prompt_text.encode("utf-8", "surrogatepass"), digest_size=2)
+    return 16 + int(digest.hexdigest(), 16) % 49  # (JSON may carry lone surrogates)
 
 
 def _tool_call_of(body: dict) -> dict | None:
@@ -460,27 +463,38 @@ def _chunk(job: Job, created: int, delta: dict | None, text: str, finish: str | 
     return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def _pieces(replica: EmulatedReplica, flight: Flight) -> AsyncIterator[str]:
+    """The answer's text as the engine generates it: "" at the first token, then each
+    newly generated piece (whole tokens), until the request is done."""
+    job = flight.job
+    text = prompts.output_text(job.rid, job.output_tokens)
+    sent = 0
+    while not flight.first_token and not flight.done:
+        await replica.wait(flight)
+    yield ""
+    while True:
+        n = replica.generated(flight)
+        if n > sent:
+            yield text[sent * prompts.CHARS_PER_TOKEN : n * prompts.CHARS_PER_TOKEN]
+            sent = n
+        if flight.done:
+            return
+        await replica.wait(flight)
+
+
 async def stream_answer(
     replica: EmulatedReplica, flight: Flight, created: int
 ) -> AsyncIterator[bytes]:
     """SSE chunks: role, then new tokens as the engine generates them, finish, usage."""
     job = flight.job
-    text = prompts.output_text(job.rid, job.output_tokens)
-    sent = 0
+    chars = 0
     try:
-        while not flight.first_token and not flight.done:
-            await replica.wait(flight)
-        if job.chat:
-            yield _chunk(job, created, {"role": "assistant", "content": ""}, "", None)
-        while True:
-            n = replica.generated(flight)
-            if n > sent:
-                piece = text[sent * prompts.CHARS_PER_TOKEN : n * prompts.CHARS_PER_TOKEN]
+        async for piece in _pieces(replica, flight):
+            if piece:
+                chars += len(piece)
                 yield _chunk(job, created, {"content": piece}, piece, None)
-                sent = n
-            if flight.done:
-                break
-            await replica.wait(flight)
+            elif job.chat:
+                yield _chunk(job, created, {"role": "assistant", "content": ""}, "", None)
         if job.tool_call is not None and not flight.aborted:
             yield _chunk(job, created, {"tool_calls": _tool_calls(job)}, "", None)
         yield _chunk(job, created, {}, "", _finish_reason(flight))
@@ -488,9 +502,30 @@ async def stream_answer(
             doc = {
                 **_base(job, created, "chat.completion.chunk" if job.chat else "text_completion")
             }
-            doc.update(choices=[], usage=_usage(flight, sent))
+            doc.update(choices=[], usage=_usage(flight, chars // prompts.CHARS_PER_TOKEN))
             yield b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
+    finally:
+        replica.finish(flight)
+
+
+async def stream_messages(replica: EmulatedReplica, flight: Flight) -> AsyncIterator[bytes]:
+    """The Anthropic event stream of a `/v1/messages` request (router/sim/anthropic.py)."""
+    job = flight.job
+
+    def start_usage() -> dict[str, int]:
+        cached = flight.cached_device + flight.cached_host
+        return anthropic.usage(job.input_tokens, cached, 0)
+
+    def finish() -> tuple[list[dict], str]:
+        calls = _tool_calls(job) if job.tool_call is not None and not flight.aborted else []
+        return calls, _finish_reason(flight)
+
+    try:
+        async for event in anthropic.stream(
+            job.model, _pieces(replica, flight), start_usage, finish
+        ):
+            yield event
     finally:
         replica.finish(flight)
 
@@ -527,38 +562,59 @@ def create_app(replica: EmulatedReplica) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> Response:
-        return e.response()
+        return e.response(anthropic=request.url.path.startswith("/v1/messages"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
-        return ApiError(e.status_code, str(e.detail)).response()
+        return await _api_error(request, ApiError(e.status_code, str(e.detail)))
 
-    async def infer(request: Request, chat: bool) -> Response:
-        job = parse_job(await _json_body(request), chat, replica.info["model_path"])
+    async def infer(request: Request, job: Job, anthropic_api: bool = False) -> Response:
         flight = replica.submit(job)
         created = int(time.time())
         if job.stream:
-            return StreamingResponse(
-                stream_answer(replica, flight, created), media_type="text/event-stream"
+            events = (
+                stream_messages(replica, flight)
+                if anthropic_api
+                else stream_answer(replica, flight, created)
             )
+            return StreamingResponse(events, media_type="text/event-stream")
         gone = asyncio.create_task(_until_disconnect(request))
         try:
             while not flight.done and not gone.done():
                 waiting = asyncio.create_task(replica.wait(flight))
                 await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
                 waiting.cancel()
-            return JSONResponse(full_answer(flight, created))
+            answer = full_answer(flight, created)
+            return JSONResponse(anthropic.message(answer) if anthropic_api else answer)
         finally:
             gone.cancel()
             replica.finish(flight)
 
+    def openai_job(body: Any, chat: bool) -> Job:
+        return parse_job(body, chat, replica.info["model_path"])
+
+    def messages_job(body: Any) -> Job:
+        """SGLang's view of a Messages request: its chat translation, without the fields
+        its model drops (`session_id`, `rid`: the program is the first message's hash)."""
+        return openai_job(anthropic.to_chat(body), chat=True)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await infer(request, chat=True)
+        return await infer(request, openai_job(await _json_body(request), chat=True))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await infer(request, chat=False)
+        return await infer(request, openai_job(await _json_body(request), chat=False))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await infer(request, messages_job(await _json_body(request)), anthropic_api=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        body = await _json_body(request)
+        job = messages_job({**body, "max_tokens": 1} if isinstance(body, dict) else body)
+        return {"input_tokens": job.input_tokens}
 
     @app.get("/health")
     async def health() -> Response:

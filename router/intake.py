@@ -1,0 +1,265 @@
+"""Intake: from the bytes a client sent to the request the exchange forwards.
+
+`read_body` takes the body off the wire within a size limit and a deadline (a client that
+announces more than it sends is cut off with 408 instead of holding its connection).
+`prepare` is a pure function: parse, check what the router relies on, resolve the program,
+and encode the engine's body. `Intake` runs it inline for ordinary bodies and in a worker
+process for large ones, because CPython's JSON codec holds the GIL: a 12 MiB body of many
+small objects takes ~0.9 s to decode and re-encode, which inline would freeze every other
+stream on the router for that long (a thread would not help).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import multiprocessing
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from router import identity
+from router.agent_identity import Anchor, anchor_of
+from router.errors import ApiError
+from router.sanitize import LabelError, check_label
+
+log = logging.getLogger("mori.intake")
+
+MAX_DEPTH = 64  # JSON nesting the router accepts (tool schemas need ~10; engines recurse)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the exchange needs of one inference request (small, so it pickles cheaply)."""
+
+    program_id: str
+    agent: str | None
+    stream: bool
+    client_wants_usage: bool
+    rid: str
+    content: bytes  # the engine's body: program_id/agent removed, session_id (and rid) set
+    anchor: Anchor | None = None  # tools + leading system messages (agent identity, warm-ups)
+    parent: str | None = None  # the program this one works for (namespaced)
+
+
+@dataclass(frozen=True)
+class Hints:
+    """The request's headers that `prepare` reads (already decoded), and the key namespace."""
+
+    program_id: str | None = None
+    agent: str | None = None
+    namespace: str = ""
+    parent: str | None = None  # X-Parent-Id
+
+
+# --- reading --------------------------------------------------------------------------
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refusing more than `limit` bytes without reading them all (413), and a
+    body not complete within `timeout_s` (408; the server then drops the connection).
+
+    A client that leaves mid-body gets a 499 nobody reads (the server drops it): no
+    router state exists for the request yet, so there is nothing else to undo."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(
+                        413, f"request body larger than {limit} bytes", code="body_too_large"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(
+            408, f"request body not received within {timeout_s:g} s", code="body_timeout"
+        ) from None
+    except ClientDisconnect:  # e.g. a replay cancelled at shutdown: nothing was started yet
+        raise ApiError(499, "client closed the request", code="client_disconnect") from None
+    return b"".join(chunks)
+
+
+# --- parsing --------------------------------------------------------------------------
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object no deeper than MAX_DEPTH, or a 400 saying what is wrong."""
+    if not raw:
+        raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    if not _shallow(body, MAX_DEPTH):
+        raise ApiError(
+            400, f"request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json"
+        )
+    return body
+
+
+def _shallow(doc: Any, limit: int) -> bool:
+    """No object/array chain deeper than `limit` (iterative: deep input cannot recurse)."""
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return False
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return True
+
+
+def _reject_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON; engines choke on them."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def agent_role(field: Any, header: str | None) -> str | None:
+    """The agent role (e.g. "planner", "coder") tool durations are learnt per: body
+    `agent` first, then the `X-Agent-Role` header; None when neither is given."""
+    if field is not None:
+        return _label(field, "agent")
+    return _label(header, "X-Agent-Role") if header else None
+
+
+def _label(value: Any, field: str) -> str:
+    try:
+        return check_label(value, field)
+    except LabelError as e:
+        raise ApiError(400, str(e), param=field, code="invalid_value") from None
+
+
+def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
+    """Parse and check one inference request and build the engine's body (pure; may run
+    in the worker process). Raises ApiError (400) for anything the router cannot forward."""
+    body = parse_json_object(raw)
+    validate(kind, body)
+    try:
+        program_id = identity.resolve(body, hints.program_id, hints.namespace)
+    except LabelError as e:
+        raise ApiError(400, str(e), param=e.field, code="invalid_program_id") from None
+    body.pop("program_id", None)
+    if isinstance(body.get("extra_body"), dict):
+        body["extra_body"].pop("program_id", None)
+    agent = agent_role(body.pop("agent", None), hints.agent)
+    anchor = anchor_of(body)
+    parent = body.pop("parent_id", None)
+    parent = _label(parent, "parent_id") if parent is not None else hints.parent
+    rid = body.get("rid")
+    rid = _label(rid, "rid") if rid is not None else uuid.uuid4().hex
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options")
+    body["session_id"] = program_id
+    if kind != "messages":
+        body["rid"] = rid
+        if stream:
+            body["stream_options"] = {**(options or {}), "include_usage": True}
+    return Prepared(
+        program_id=program_id,
+        agent=agent or (anchor.agent if anchor else None),
+        stream=stream,
+        client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        rid=rid,
+        content=json.dumps(body, separators=(",", ":")).encode(),
+        anchor=anchor,
+        parent=hints.namespace + parent if parent else None,
+    )
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _require(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise ApiError(400, message, param=param, code="invalid_value")
+
+
+def validate(kind: str, body: dict[str, Any]) -> None:
+    """Reject what the router itself relies on, before a request takes a gate slot."""
+    if kind in ("chat", "messages"):
+        msgs = body.get("messages")
+        _require(
+            isinstance(msgs, list) and bool(msgs) and all(isinstance(m, dict) for m in msgs),
+            "`messages` must be a non-empty array of message objects",
+            "messages",
+        )
+        _require(
+            all(isinstance(m.get("role"), str) for m in msgs),
+            "every message needs a string `role`",
+            "messages",
+        )
+    else:
+        prompt = body.get("prompt")
+        _require(
+            isinstance(prompt, str | list) and bool(prompt),
+            "`prompt` must be a non-empty string or array",
+            "prompt",
+        )
+    if kind == "messages":
+        _require(
+            _positive_int(body.get("max_tokens")),
+            "`max_tokens` must be an integer >= 1",
+            "max_tokens",
+        )
+    for field in ("max_tokens", "max_completion_tokens", "n"):
+        if body.get(field) is not None:
+            _require(_positive_int(body[field]), f"`{field}` must be an integer >= 1", field)
+    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        if body.get(field) is not None:
+            _require(_number(body[field]), f"`{field}` must be a number", field)
+    if "stream" in body:
+        _require(isinstance(body["stream"], bool | None), "`stream` must be a boolean", "stream")
+    if body.get("model") is not None:
+        _require(isinstance(body["model"], str), "`model` must be a string", "model")
+    if body.get("stream_options") is not None:
+        _require(
+            isinstance(body["stream_options"], dict),
+            "`stream_options` must be an object",
+            "stream_options",
+        )
+    if body.get("tools") is not None:
+        _require(isinstance(body["tools"], list), "`tools` must be an array", "tools")
+
+
+# --- size-aware preparation -----------------------------------------------------------
+class Intake:
+    """Runs `prepare` inline for bodies up to `inline_bytes`, in a worker process above
+    (`worker_parse_bytes` in the config).
+
+    The worker starts on the first large body (most deployments never send one) and is
+    replaced if it dies; while it is broken, large bodies are prepared inline."""
+
+    def __init__(self, inline_bytes: int) -> None:
+        self.inline_bytes = inline_bytes
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    async def prepare(self, kind: str, raw: bytes, hints: Hints) -> Prepared:
+        if len(raw) <= self.inline_bytes:
+            return prepare(kind, raw, hints)
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")  # no copy of the event loop's state
+            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, prepare, kind, raw, hints
+            )
+        except concurrent.futures.process.BrokenProcessPool:
+            log.warning("request parser process died; parsing this body inline")
+            self.close()
+            return prepare(kind, raw, hints)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

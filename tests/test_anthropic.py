@@ -1,0 +1,148 @@
+"""The Anthropic Messages API end to end: `mori emulate` serves `/v1/messages` as SGLang
+0.5.17 does, and the router passes it through with Anthropic-shaped errors, with the
+Anthropic SDK as the client (and the OpenAI SDK beside it on the same router)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anthropic
+import httpx
+import pytest
+
+from tests.router_harness import assert_clean, chat, client, emulator, programs, router
+
+BASH = {
+    "name": "Bash",
+    "description": "run a shell command",
+    "input_schema": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    },
+}
+
+
+def sdk(base: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=30)
+
+
+def stream(c: anthropic.Anthropic, text: str, user: str, max_tokens: int):
+    """A streamed Messages call of program `user` (a context manager over its events)."""
+    return c.messages.stream(
+        model="m",
+        max_tokens=max_tokens,
+        messages=[{"role": "user", "content": text}],
+        metadata={"user_id": user},
+    )
+
+
+def ask(c: anthropic.Anthropic, text: str, **kwargs):
+    messages = kwargs.pop("messages", [{"role": "user", "content": text}])
+    return c.messages.create(
+        model="m", max_tokens=kwargs.pop("max_tokens", 12), messages=messages, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def replica():
+    with emulator("--time-scale", "5", "--gpu-tokens", "4000") as (url, _):
+        yield url
+
+
+def test_emulator_answers_messages_like_sglang(replica):
+    c = sdk(replica)
+    m = ask(c, "word " * 40, system="be brief")
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.content[0].type == "text" and len(m.content[0].text) == 4 * m.usage.output_tokens
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    first = m.usage.input_tokens
+    # the next turn re-sends the history: its prefix is reported as cache reads
+    history = [
+        {"role": "user", "content": "word " * 40},
+        {"role": "assistant", "content": m.content[0].text},
+        {"role": "user", "content": "and now?"},
+    ]
+    again = ask(c, "", messages=history, system="be brief")
+    assert again.usage.cache_read_input_tokens >= first
+    assert again.usage.input_tokens < first
+    assert c.messages.count_tokens(model="m", messages=history, system="be brief").input_tokens > 0
+
+
+def test_emulator_streams_tool_use_events(replica):
+    c = sdk(replica)
+    kinds = []
+    with c.messages.stream(
+        model="m",
+        max_tokens=10,
+        messages=[{"role": "user", "content": "list the files"}],
+        tools=[BASH],
+        tool_choice={"type": "any"},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "ping" not in kinds
+    assert final.stop_reason == "tool_use"
+    call = final.content[-1]
+    assert call.type == "tool_use" and call.name == "Bash" and call.input == {"command": "x"}
+    assert final.usage.output_tokens == 10
+
+
+def test_emulator_errors_are_anthropic_shaped(replica):
+    c = sdk(replica)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        ask(c, "hi", max_tokens=0)
+    assert bad.value.body["type"] == "error"
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError, match="tool"):
+        ask(c, "hi", tool_choice={"type": "tool", "name": "nope"}, tools=[BASH])
+    r = httpx.post(replica + "/v1/messages", content=b"{oops")
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_both_sdks_through_the_router():
+    fast = ("--time-scale", "5")
+    with emulator(*fast) as (a, _), emulator(*fast) as (b, _), router([a, b]) as base:
+        c = sdk(base)
+        m = ask(c, "hello", metadata={"user_id": "anth-1"})
+        assert m.content[0].text
+        view = httpx.get(base + "/v1/programs/anth-1").json()
+        assert view["context_tokens"] == m.usage.input_tokens + m.usage.output_tokens
+        with stream(c, "go on", "anth-2", max_tokens=6) as events:
+            assert events.get_final_message().usage.output_tokens <= 6
+        openai_answer = client(base).chat.completions.create(**chat("oai-1"))
+        assert openai_answer.choices[0].message.content
+        # the router's own errors on /v1/messages are Anthropic-shaped too
+        with pytest.raises(anthropic.BadRequestError, match="metadata.user_id"):
+            ask(c, "hi", metadata={"user_id": "bad\x00id"})
+        with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+            ask(c, "hi", max_tokens=0)
+        assert {p["program_id"] for p in programs(base)["data"]} == {
+            "anth-1",
+            "anth-2",
+            "oai-1",
+        }
+        assert_clean(base)
+
+
+def test_replica_killed_under_anthropic_streams_makes_the_sdk_raise():
+    slow = ("--time-scale", "0.05")  # a 16-64 token answer streams for seconds
+    with emulator(*slow) as (url_a, proc_a), emulator(*slow) as (url_b, proc_b):
+        procs = {url_a: proc_a, url_b: proc_b}
+        with router([url_a, url_b]) as base:
+            c = sdk(base)
+            with stream(c, "tell me a long story", "victim", max_tokens=64) as answer:
+                events = iter(answer)
+                assert next(events).type == "message_start"
+                doomed = httpx.get(base + "/v1/programs/victim").json()["last_replica"]
+                os.killpg(procs[doomed].pid, signal.SIGKILL)
+                with pytest.raises(anthropic.APIStatusError, match="failed mid-stream"):
+                    for _ in events:
+                        pass
+            assert_clean(base)
+            # the program's next step is served by the surviving replica
+            assert ask(c, "again", metadata={"user_id": "victim"}).content
+            assert httpx.get(base + "/v1/programs/victim").json()["last_replica"] != doomed
+            assert_clean(base)

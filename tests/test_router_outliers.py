@@ -1,0 +1,185 @@
+"""Passive outlier detection: hung and failing replicas are taken out fast, and every
+request that was on them fails over or ends with a clear error within a known bound.
+
+The bound (docs/router.md, Faults): a replica that stops sending bytes is ejected within
+`stall_s` + `health_timeout_s` + `stall_s / 4` (silence, then a failed probe, checked
+every quarter stall); its silent requests are cut at that moment, so a request that had
+not sent a byte to its client is retried elsewhere and a started stream ends with an
+error event. Each test ends with the leak check (`assert_clean`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.router_harness import (
+    ScriptedReplica,
+    assert_clean,
+    chat,
+    client,
+    emulator,
+    metric,
+    router,
+    serve,
+)
+from tests.test_router_faults import hanging_server
+
+OUTLIERS = {"stall_s": 1.0, "health_timeout_s": 1.0, "eject_s": 1.0}
+EJECT_BOUND_S = OUTLIERS["stall_s"] + OUTLIERS["health_timeout_s"] + OUTLIERS["stall_s"] / 4
+
+
+def _replicas(base: str) -> dict[str, dict]:
+    return {r["url"]: r for r in httpx.get(base + "/v1/replicas").json()["data"]}
+
+
+def test_silent_replica_is_probed_ejected_and_its_request_fails_over():
+    """A wedged engine (accepts, never answers) with a 60 s request timeout: the request
+    is not held for a minute but served elsewhere within the ejection bound."""
+    with hanging_server() as hung, emulator() as (good, _):
+        specs = [  # the hung replica has the most room: new programs go there first
+            {"url": hung, "gpu_tokens": 1_000_000, "cpu_tokens": 1_000_000},
+            {"url": good, "gpu_tokens": 100_000, "cpu_tokens": 100_000},
+        ]
+        settings = {**OUTLIERS, "request_timeout_s": 60.0, "health_interval_s": 60.0}
+        with router(specs, **settings) as base:
+            started = time.monotonic()
+            answer = client(base, timeout=30).chat.completions.create(**chat("wedged"))
+            took = time.monotonic() - started
+            assert answer.choices[0].message.content
+            assert OUTLIERS["stall_s"] <= took < EJECT_BOUND_S + 2
+            assert metric(base, "mori_replica_ejections_total", reason="stalled") == 1
+            assert metric(base, "mori_requests_total", outcome="retried") == 1
+            assert not _replicas(base)[hung]["healthy"]
+            assert_clean(base)
+
+
+def test_failure_streak_ejects_a_replica_that_answers_health_checks():
+    """An engine that answers `/health` but cuts every stream off is ejected after
+    `outlier_failures` such failures in a row; its clients get an error event."""
+    breaking = ScriptedReplica(tokens=5, break_streams=True)
+    with (
+        serve(breaking) as bad_url,
+        serve(ScriptedReplica(tokens=5)) as good_url,
+        router([bad_url, good_url], outlier_failures=3, eject_s=60.0) as base,
+    ):
+        ends = []
+        for i in range(12):  # new programs alternate over the two replicas
+            try:
+                stream = client(base).chat.completions.create(**chat(f"p{i}"), stream=True)
+                ends.append(sum(1 for _ in stream) and "complete")
+            except openai.APIError as e:
+                ends.append(str(e))
+        cut = [e for e in ends if e != "complete"]
+        assert cut == ["the engine replica failed mid-stream"] * 3, ends
+        last_cut = max(i for i, e in enumerate(ends) if e != "complete")
+        assert set(ends[last_cut + 1 :]) == {"complete"}  # ejected: no stream goes there
+        assert metric(base, "mori_replica_ejections_total", reason="failures") == 1
+        assert not _replicas(base)[bad_url]["healthy"]
+        assert_clean(base)
+
+
+def test_engine_error_answers_never_eject():
+    """Error answers are answers: a client that makes an engine answer 500 (or 400) on
+    purpose must not be able to take the replica out of service."""
+    failing = ScriptedReplica(chat_status=500)
+    with serve(failing) as url, router([url], outlier_failures=2) as base:
+        for i in range(6):
+            with pytest.raises(openai.InternalServerError):
+                client(base).chat.completions.create(**chat(f"p{i}"))
+        assert failing.chat_calls == 6
+        assert metric(base, "mori_replica_ejections_total") == 0
+        assert _replicas(base)[url]["healthy"]
+        assert_clean(base)
+
+
+def _stream(base: str, program: str, out: dict, tokens: int = 300) -> None:
+    """One streamed chat; records how it ended ("complete" or "error: ...") and when."""
+    c = client(base, timeout=60)
+    try:
+        stream = c.chat.completions.create(
+            **chat(program, max_tokens=tokens, extra_body={"ignore_eos": True}), stream=True
+        )
+        chunks, finish = 0, None
+        for chunk in stream:
+            chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            out.setdefault("first", time.monotonic())
+        out["end"] = "complete" if finish == "length" else f"cut after {chunks} chunks"
+    except openai.APIError as e:
+        out["end"] = f"error: {e}"
+    out["ended"] = time.monotonic()
+
+
+def test_sigstopped_replica_under_20_streams():
+    """SIGSTOP one of two replicas while 20 programs stream: it is ejected (no new program
+    goes to it) within 5 s; each stream completes or ends with an error within the
+    bound; new programs sent meanwhile are all served; nothing leaks."""
+    slow = ("--time-scale", "1")
+    with emulator(*slow) as (url_a, proc_a), emulator(*slow) as (url_b, proc_b):
+        procs = {url_a: proc_a, url_b: proc_b}
+        # active checks only readmit here (a stopped replica never fails 100 in a row)
+        with router([url_a, url_b], **OUTLIERS, health_failures=100) as base:
+            runs = {f"s{i}": {} for i in range(20)}
+            threads = [
+                threading.Thread(target=_stream, args=(base, pid, out)) for pid, out in runs.items()
+            ]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while not all("first" in out for out in runs.values()):
+                assert time.monotonic() < deadline, "streams did not start"
+                time.sleep(0.05)
+            placed = {
+                p["program_id"]: p["last_replica"]
+                for p in httpx.get(base + "/v1/programs").json()["data"]
+            }
+            stopped = max(procs, key=lambda u: sum(r == u for r in placed.values()))
+            on_stopped = [pid for pid, url in placed.items() if url == stopped]
+            os.kill(procs[stopped].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                newcomers = []
+                while _replicas(base)[stopped]["healthy"]:
+                    assert time.monotonic() - t0 < 5.0, "hung replica still in service after 5 s"
+                    newcomers.append(
+                        client(base, timeout=30).chat.completions.create(
+                            **chat(f"new{len(newcomers)}")
+                        )
+                    )
+                ejected_after = time.monotonic() - t0
+                for t in threads:
+                    t.join(60)
+                assert all(a.choices[0].message.content for a in newcomers)
+                for pid, out in runs.items():
+                    if pid in on_stopped:
+                        assert out["end"].startswith("error: "), (pid, out)
+                        assert out["ended"] - t0 < EJECT_BOUND_S + 2, (pid, out["ended"] - t0)
+                    else:
+                        assert out["end"] == "complete", (pid, out)
+                cut = [runs[pid]["ended"] - t0 for pid in on_stopped]
+                print(  # the figures for the record (pytest -s)
+                    f"SIGSTOP under 20 streams: ejected after {ejected_after:.2f} s; "
+                    f"{len(on_stopped)} streams on it ended with an error after "
+                    f"{min(cut):.2f}-{max(cut):.2f} s; {len(newcomers)} new programs served"
+                )
+                assert ejected_after < 5.0
+                assert metric(base, "mori_replica_ejections_total", reason="stalled") == 1
+                after = client(base).chat.completions.create(**chat(on_stopped[0], "again"))
+                assert after.choices[0].message.content
+                assert_clean(base)
+            finally:
+                os.kill(procs[stopped].pid, signal.SIGCONT)
+            # back in service once its back-off passed and a health check answers
+            deadline = time.monotonic() + 10
+            while not _replicas(base)[stopped]["healthy"]:
+                assert time.monotonic() < deadline, "replica did not rejoin after SIGCONT"
+                time.sleep(0.1)
+            assert_clean(base)
