@@ -75,7 +75,7 @@ def create_app(
             program_id=prepared.program_id,
             stream=prepared.stream,
             client_wants_usage=prepared.client_wants_usage,
-            prompt_chars=len(raw),
+            prompt_chars=prepared.prompt_chars,
             arrival=router.clock(),
             headers=forwarded_headers(request.headers),
             agent=prepared.agent,
