@@ -80,6 +80,8 @@ def create_app(
             arrival=router.clock(),
             headers=forwarded_headers(request.headers),
             agent=prepared.agent,
+            anchor=prepared.anchor,
+            parent=prepared.parent,
         )
         return Exchange(router, call)
 
@@ -234,9 +236,10 @@ def request_hints(request: Request, key: str | None) -> Hints:
     try:
         program_id = header_text(request.headers, "x-program-id")
         agent = header_text(request.headers, "x-agent-role")
+        parent = header_text(request.headers, "x-parent-id")
     except LabelError as e:
         raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
-    return Hints(program_id or None, agent or None, identity.namespace(key))
+    return Hints(program_id or None, agent or None, identity.namespace(key), parent or None)
 
 
 def _number(v: Any) -> bool:

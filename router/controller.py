@@ -12,18 +12,26 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from router.agent_identity import AnchorBook
 from router.config import RouterConfig
 from router.engines import HintsUnsupported, Replica, make_replicas
 from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.outliers import Outliers
 from router.policy import Policy, make_policy
+from router.policy.runtime import AgentEvent, EventKind, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity, Tier
 from router.reconcile import parse_residency, reconcile
+
+if TYPE_CHECKING:
+    from router.exchange import Call
+
+WARM_PREFIX = "mori-warm/"  # program ids of CacheSage warm-up requests
 
 log = logging.getLogger("mori.router")
 
@@ -60,6 +68,14 @@ class Router:
         self._background: set[asyncio.Task] = set()
         self._probes: dict[str, asyncio.Future[bool]] = {}  # health probe in flight per replica
         self._next_wakeup = getattr(self.policy, "next_wakeup", None)  # predictive only
+        # agent runtime layer (CacheSage): events in, actions out; None for other policies
+        self._observe = getattr(self.policy, "observe", None)
+        self._actions = getattr(self.policy, "runtime_actions", None)
+        self.anchors = AnchorBook()
+        self._scores: dict[str, dict] = {}  # replica -> latest survival scores to push
+        self._agents: dict[str, dict[str, str]] = {}  # replica -> program agents to push
+        self._warming: set[str] = set()  # replicas with a warm-up in flight
+        self._fresh_scores: set[str] = set()  # replicas whose scores changed since a push
         self._wakeup: asyncio.TimerHandle | None = None  # the policy's next extra tick
         self._wakeup_at = float("inf")
 
@@ -123,6 +139,57 @@ class Router:
                         self._ack_round[m.program_id] = self._rounds_started + 1
         self.gate.wake_all()
         self._schedule_wakeup()
+        if self._actions is not None:
+            self._carry_out(self._actions(self.clock()))
+
+    # agent runtime layer ------------------------------------------------------------------
+    def observe_request(self, call: Call) -> None:
+        """Tell a runtime-layer policy who is asking (before `on_request`)."""
+        if self._observe is None:
+            return
+        if call.agent and call.anchor is not None:
+            self.anchors.remember(call.agent, call.anchor)
+        tokens = call.anchor.tokens if call.anchor is not None else 0
+        event = AgentEvent(
+            EventKind.REQUEST, self.clock(), call.program_id, call.agent, None, tokens
+        )
+        self._observe(event if call.parent is None else replace(event, parent=call.parent))
+
+    def _carry_out(self, actions: list) -> None:
+        """Scores ride with the next hint push; a warm-up goes out when no request waits at
+        the gate and the replica has none in flight (it never delays a waiting request)."""
+        for action in actions:
+            if isinstance(action, PushScores):
+                self._scores[action.replica] = dict(action.scores)
+                self._fresh_scores.add(action.replica)
+                self._agents.setdefault(action.replica, {}).update(action.agents)
+                self._hints_dirty.set()
+            elif isinstance(action, Warm) and action.replica in self.replicas:
+                anchor = self.anchors.get(action.agent)
+                if anchor is None or self.gate.waiting or action.replica in self._warming:
+                    continue
+                self._warming.add(action.replica)
+                self.spawn(self._warm(self.replicas[action.replica], action.agent, anchor))
+
+    async def _warm(self, replica: Replica, agent: str, anchor) -> None:
+        """Send the anchor with a one-character question and one output token (CacheSage
+        §3.4); then type the warm-up program inactive so it never ranks the anchor busy."""
+        program_id = WARM_PREFIX + agent
+        try:
+            r = await self.client.post(
+                replica.url + "/v1/chat/completions",
+                json={"model": "default", **anchor.warm_body(program_id)},
+                timeout=self.config.health_timeout_s * 4,
+            )
+            outcome = "ok" if r.status_code == 200 else f"http_{r.status_code}"
+            if r.status_code == 200 and replica.hints_supported:
+                self.epoch = max(self.epoch + 1, int(time.time() * 1000))
+                await replica.push_hints(self.epoch, {program_id: Hint.INACTIVE}, False)
+        except (httpx.HTTPError, HintsUnsupported) as e:
+            outcome = type(e).__name__
+        finally:
+            self._warming.discard(replica.url)
+        self.metrics.warmups.labels(replica.url, outcome).inc()
 
     def _schedule_wakeup(self) -> None:
         """Predictive policies need ticks between periods (`next_wakeup`, e.g. a load-back
@@ -365,20 +432,36 @@ class Router:
         batches = self.policy.hints() if full else self.policy.hint_updates()
         if full:
             self.policy.hint_updates()  # the full batch supersedes pending deltas
+        extras = self._score_extras(full)
         # Epochs start from the wall clock, so a restarted router is never taken as stale.
         self.epoch = max(self.epoch + 1, int(time.time() * 1000))
         jobs = [
-            self._push(self.replicas[url], hints, full)
-            for url, hints in batches.items()
-            if url in self.replicas and (hints or full) and self.policy.tiers.healthy[url]
+            self._push(self.replicas[url], batches.get(url, {}), full, extras.get(url))
+            for url in batches.keys() | extras.keys()
+            if url in self.replicas
+            and (batches.get(url) or full or extras.get(url))
+            and self.policy.tiers.healthy[url]
         ]
         await asyncio.gather(*jobs)
 
-    async def _push(self, replica: Replica, hints: dict[str, Hint], full: bool) -> None:
+    def _score_extras(self, full: bool) -> dict[str, dict]:
+        """CacheSage's fields per replica: the latest scores (again at a full sync) and the
+        program agents not sent yet."""
+        out: dict[str, dict] = {}
+        for url, scores in self._scores.items():
+            agents = self._agents.pop(url, {})
+            if full or agents or url in self._fresh_scores:
+                out[url] = {"scores": scores, "agents": agents}
+        self._fresh_scores = set()
+        return out
+
+    async def _push(
+        self, replica: Replica, hints: dict[str, Hint], full: bool, extra: dict | None = None
+    ) -> None:
         if not replica.hints_supported and not full:
             return
         try:
-            await replica.push_hints(self.epoch, hints, full)
+            await replica.push_hints(self.epoch, hints, full, extra)
         except HintsUnsupported:
             if replica.hints_supported:
                 log.warning("replica %s has no /mori/hints: serving without hints", replica.url)

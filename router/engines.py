@@ -100,9 +100,13 @@ class Replica:
         return r.status_code == 200
 
     # hints -----------------------------------------------------------------------
-    async def push_hints(self, epoch: int, hints: dict[str, Hint], full: bool) -> None:
-        """POST one hint batch; raises HintsUnsupported on 404/405, httpx errors otherwise."""
+    async def push_hints(
+        self, epoch: int, hints: dict[str, Hint], full: bool, extra: dict | None = None
+    ) -> None:
+        """POST one hint batch (with `extra` fields: CacheSage's `scores` and `agents`);
+        raises HintsUnsupported on 404/405, httpx errors otherwise."""
         payload = {"epoch": epoch, "full": full, "hints": {p: h.value for p, h in hints.items()}}
+        payload.update(extra or {})
         r = await self.client.post(
             self.url + "/mori/hints", json=payload, timeout=self.health_timeout_s
         )

@@ -27,6 +27,7 @@ from router.accounting import (
     openai_body,
     without_sglext,
 )
+from router.agent_identity import Anchor
 from router.controller import Router
 from router.engines import Replica
 from router.errors import ApiError, anthropic_error_body, error_body
@@ -75,7 +76,9 @@ class Call:
     prompt_chars: int
     arrival: float
     headers: dict[str, str]
-    agent: str | None = None  # agent role (predictive policies learn tool times per role)
+    agent: str | None = None  # agent role: explicit, else its anchor's hash (agent_identity)
+    anchor: Anchor | None = None  # tools + leading system messages (CacheSage warms them)
+    parent: str | None = None  # the program this one works for (X-Parent-Id)
 
 
 class Exchange(Response):
@@ -162,6 +165,7 @@ class Exchange(Response):
                 param="messages",
                 code="context_length_exceeded",
             )
+        r.observe_request(self.call)
         for _ in range(r.config.max_retries + 1):
             try:
                 moves = policy.on_request(pid, r.clock(), tokens)

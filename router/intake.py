@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from router import identity
 from router.accounting import CACHE_DETAILS_FLAG
+from router.agent_identity import Anchor, anchor_of
 from router.errors import ApiError
 from router.sanitize import LabelError, check_label
 
@@ -44,6 +45,8 @@ class Prepared:
     rid: str
     content: bytes  # the engine's body: program_id/agent removed, session_id (and rid) set
     prompt_chars: int  # characters of text the engine's chat template will see
+    anchor: Anchor | None = None  # tools + leading system messages (agent identity, warm-ups)
+    parent: str | None = None  # the program this one works for (namespaced)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Hints:
     program_id: str | None = None
     agent: str | None = None
     namespace: str = ""
+    parent: str | None = None  # X-Parent-Id
 
 
 # --- reading --------------------------------------------------------------------------
@@ -147,6 +151,9 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     if isinstance(body.get("extra_body"), dict):
         body["extra_body"].pop("program_id", None)
     agent = agent_role(body.pop("agent", None), hints.agent)
+    anchor = anchor_of(body)
+    parent = body.pop("parent_id", None)
+    parent = _label(parent, "parent_id") if parent is not None else hints.parent
     rid = body.get("rid")
     rid = _label(rid, "rid") if rid is not None else uuid.uuid4().hex
     stream = bool(body.get("stream", False))
@@ -160,13 +167,15 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
             body["stream_options"] = {**(options or {}), "include_usage": True}
     return Prepared(
         program_id=program_id,
-        agent=agent,
+        agent=agent or (anchor.agent if anchor else None),
         stream=stream,
         client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         client_wants_details=wants_details,
         rid=rid,
         content=json.dumps(body, separators=(",", ":")).encode(),
         prompt_chars=prompt_chars(body),
+        anchor=anchor,
+        parent=hints.namespace + parent if parent else None,
     )
 
 

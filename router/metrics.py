@@ -55,6 +55,12 @@ class RouterMetrics:
             ["src_tier", "dst_tier", "reason"],
             registry=r,
         )
+        self.warmups = Counter(
+            "mori_warmups",
+            "CacheSage warm-up requests by replica and outcome",
+            ["replica", "outcome"],
+            registry=r,
+        )
         self.gate_wait = Histogram(
             "mori_gate_wait_seconds",
             "time a request was held by the gate",
@@ -147,6 +153,7 @@ class RouterMetrics:
             family.labels(replica)
         for source in HIT_SOURCES:
             self.prompt_cache_tokens.labels(replica, source)
+        self.warmups.labels(replica, "ok")
 
     def record_hits(self, replica: str, usage: Usage) -> None:
         """Count one call's prompt tokens by where the engine found them."""

@@ -279,3 +279,25 @@ def test_server_info_and_models(emulator):
     assert info["hicache_host_tokens"] == HOST_TOKENS
     models = httpx.get(emulator + "/v1/models").json()
     assert models["data"][0]["id"] == info["model_path"]
+
+
+def test_programs_with_the_same_system_prompt_share_its_kv(emulator, client):
+    """The anchor (tools + leading system messages) is stored once: a new program of the
+    same role hits it on its first request; another role's does not."""
+    system = {"role": "system", "content": "You are the Coder of this team. " * 20}
+    other = {"role": "system", "content": "You are the Critic of this team. " * 20}
+    _ask(client, "role-a1", [system, {"role": "user", "content": "task one"}], 5)
+    first = _ask(client, "role-a2", [system, {"role": "user", "content": "task two"}], 5)
+    anchor = count_tokens(render_chat([system])) - 1  # whole tokens inside the anchor
+    assert _cached(first.usage)[1] >= anchor
+    stranger = _ask(client, "role-b1", [other, {"role": "user", "content": "task one"}], 5)
+    assert _cached(stranger.usage)[0] < 10
+
+
+def test_hint_batches_carry_survival_scores(emulator):
+    body = {"epoch": 200, "hints": {}, "scores": {"Coder": 0.8}, "agents": {"role-a1": "Coder"}}
+    assert httpx.post(emulator + "/mori/hints", json=body).status_code == 200
+    assert httpx.get(emulator + "/mori/residency").json()["anchor_scores"] == {"Coder": 0.8}
+    for bad in ({"scores": {"Coder": 1.5}}, {"scores": [1]}, {"agents": {"p": 3}}):
+        r = httpx.post(emulator + "/mori/hints", json={"epoch": 201, "hints": {}, **bad})
+        assert r.status_code == 400, bad

@@ -76,6 +76,32 @@ class ReplayConfig:
 
 
 @dataclass
+class _Instance:
+    """One replay of a trace program: its request id, task and conversation."""
+
+    pid: str
+    program: TraceProgram
+    parent: _Instance | None = None
+    conversation: Conversation = field(init=False)
+
+    @property
+    def session(self) -> str:
+        """The task: the pid of the root program it runs under."""
+        return self.parent.session if self.parent else self.pid
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The agent role and the parent program, for a router's agent runtime layer
+        (CacheSage); engines ignore them."""
+        out = {}
+        if self.program.agent:
+            out["X-Agent-Role"] = self.program.agent
+        if self.parent is not None:
+            out["X-Parent-Id"] = self.parent.pid
+        return out
+
+
+@dataclass
 class Progress:
     """Running totals a progress bar can show."""
 
@@ -100,6 +126,7 @@ class Replay:
         self._util: list[float] = []
         self._tasks: set[asyncio.Task] = set()
         self._live: set[str] = set()  # programs started and not ended
+        self._handoffs: dict[tuple[str, str, int], asyncio.Event] = {}  # steps that ended
         self._crash: BaseException | None = None
         self.labels = (config.policy_label or "unknown", config.cpu_ratio or 0.0)
         self._claimed = 0  # main programs started
@@ -215,24 +242,43 @@ class Replay:
             self._claimed += 1
             await self._program(self.corpus.next_main())
 
-    async def _program(self, program: TraceProgram) -> None:
+    async def _program(self, program: TraceProgram, parent: _Instance | None = None) -> None:
         pid = f"{self.run_tag}-{program.program_id}.{self.corpus.next_instance()}"
+        me = _Instance(pid, program, parent)
         for child in self.corpus.subagents(program):
-            self._spawn(self._subagent(child))
-        conversation = Conversation(pid, program.agent, program.anchor_tokens, self.config.seed)
+            self._spawn(self._subagent(child, me))
+        inherited = parent.conversation.messages if parent and program.inherit_tokens else ()
+        me.conversation = Conversation(
+            pid, program.agent, program.anchor_tokens, self.config.seed, program.inherit_tokens
+        )
+        me.conversation.inherit(inherited)
         self._live.add(pid)
         for i, step in enumerate(program.steps):
+            await self._hand_over(me, step)
             reused = step.reused_tokens if i else 0
-            messages = conversation.next_messages(step.input_tokens, reused)
-            conversation.record_answer(await self._step(pid, step, messages))
-            await self._sleep_trace(step.tool_s)
+            messages = me.conversation.next_messages(step.input_tokens, reused)
+            me.conversation.record_answer(await self._step(me, step, messages))
+            self._handoff_event(me.session, program.program_id, i).set()
+            if not (i + 1 < len(program.steps) and program.steps[i + 1].after):
+                await self._sleep_trace(step.tool_s)  # a hand-over is waited for, not slept
         self._live.discard(pid)
+        if parent is None:
+            self._handoffs = {k: v for k, v in self._handoffs.items() if k[0] != me.session}
         self._spawn(self._end(pid))
         self.progress.programs_done += 1
 
-    async def _subagent(self, program: TraceProgram) -> None:
-        await self._sleep_trace(program.start_s)
-        await self._program(program)
+    async def _subagent(self, program: TraceProgram, parent: _Instance) -> None:
+        if not program.steps[0].after:  # starts on a hand-over, not at a nominal time
+            await self._sleep_trace(program.start_s)
+        await self._program(program, parent)
+
+    def _handoff_event(self, session: str, program_id: str, step: int) -> asyncio.Event:
+        return self._handoffs.setdefault((session, program_id, step), asyncio.Event())
+
+    async def _hand_over(self, me: _Instance, step: TraceStep) -> None:
+        """Wait until the steps this one waits for (`after`) have ended in this task."""
+        for program_id, index in step.after:
+            await self._handoff_event(me.session, program_id, index).wait()
 
     async def _end(self, pid: str) -> None:
         """Tell a router the program is over (an engine without the endpoint: ignored)."""
@@ -240,8 +286,9 @@ class Replay:
         with contextlib.suppress(httpx.HTTPError):
             await self.http.post(url, timeout=5.0)
 
-    async def _step(self, pid: str, step: TraceStep, messages: list[dict]) -> str:
+    async def _step(self, me: _Instance, step: TraceStep, messages: list[dict]) -> str:
         """Send one step, stream the answer, record it; returns the answer's text."""
+        pid = me.pid
         arrival = self.now()
         first: float | None = None
         parts: list[str] = []
@@ -255,6 +302,7 @@ class Replay:
                 stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
+                extra_headers=me.headers,
             )
             replica = raw.headers.get("x-mori-replica")
             async for chunk in raw.parse():
