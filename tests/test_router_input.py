@@ -59,6 +59,7 @@ def test_every_policy_knob_is_settable_on_the_router_as_in_the_simulator(tmp_pat
     knobs = {f.name for f in dataclasses.fields(PolicyConfig)} - {"load_s_per_token"}
     assert knobs == POLICY_KNOBS and knobs <= set(RouterConfig.model_fields)
     values = {k: v for k, v in vars(PolicyConfig()).items() if k in knobs}
+
     def other(v):  # a valid value different from the default
         if isinstance(v, bool):
             return not v
