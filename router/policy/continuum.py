@@ -156,11 +156,11 @@ class ContinuumPolicy(Policy):
     def _after_response(self, p: Program, now: float) -> list[Move]:
         """A finished step keeps its room until `on_tool_start` (called right after, with
         the tool its answer ends in) prices the pin; a step with no tool call has a pin
-        that expires now, so the next schedule releases it."""
+        that expires now, so the next schedule after this instant releases it."""
         self._finished_at[p.program_id] = now
         if p.placement.tier is Tier.GPU:
             self.pins[p.program_id] = now
-        return []
+        return self._schedule(now)  # room a lazy demotion freed; this pin is not released
 
     def _start(self, p: Program, now: float) -> None:
         since = self._unpinned_wait.pop(p.program_id, None)
