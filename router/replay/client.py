@@ -222,7 +222,8 @@ class Replay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(self._end(pid) for pid in self._live), return_exceptions=True)
+        ends = (self._tell(pid, "end") for pid in self._live)
+        await asyncio.gather(*ends, return_exceptions=True)
 
     async def _first_model(self) -> str:
         try:
@@ -259,12 +260,14 @@ class Replay:
             messages = me.conversation.next_messages(step.input_tokens, reused)
             me.conversation.record_answer(await self._step(me, step, messages))
             self._handoff_event(me.session, program.program_id, i).set()
+            if i + 1 < len(program.steps) and step.tool:
+                await self._tell(pid, "tool_start", {"tool": step.tool}, me.headers)
             if not (i + 1 < len(program.steps) and program.steps[i + 1].after):
                 await self._sleep_trace(step.tool_s)  # a hand-over is waited for, not slept
         self._live.discard(pid)
         if parent is None:
             self._handoffs = {k: v for k, v in self._handoffs.items() if k[0] != me.session}
-        self._spawn(self._end(pid))
+        self._spawn(self._tell(pid, "end"))
         self.progress.programs_done += 1
 
     async def _subagent(self, program: TraceProgram, parent: _Instance) -> None:
@@ -280,11 +283,20 @@ class Replay:
         for program_id, index in step.after:
             await self._handoff_event(me.session, program_id, index).wait()
 
-    async def _end(self, pid: str) -> None:
-        """Tell a router the program is over (an engine without the endpoint: ignored)."""
-        url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/end"
+    async def _tell(
+        self, pid: str, action: str, body: dict | None = None, headers: dict | None = None
+    ) -> None:
+        """Tell a router what the agent does next: the tool call a step ends in (a real
+        agent's answer names it in `tool_calls`; the replayed answer cannot, so the trace's
+        tool is told the way an agent without tool calls would), or the program's end.
+        Skipped for an engine itself; a failure is ignored (the router's lease covers it).
+        With the API key: a router that checks keys refused these before."""
+        if self.labels[0] == "direct":
+            return
+        url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/{action}"
+        headers = {**(headers or {}), "authorization": f"Bearer {self.config.api_key}"}
         with contextlib.suppress(httpx.HTTPError):
-            await self.http.post(url, timeout=5.0)
+            await self.http.post(url, json=body or {}, headers=headers, timeout=5.0)
 
     async def _step(self, me: _Instance, step: TraceStep, messages: list[dict]) -> str:
         """Send one step, stream the answer, record it; returns the answer's text."""
