@@ -8,8 +8,10 @@ engine then evicts by (type rank, survival, LRU), so among nodes of one type a p
 role's anchor outlives the rest. Private nodes score 0: their order stays MORI's typed LRU,
 and with no scores pushed (weak structure) the order is exactly that.
 
-Pure state, independent of the SGLang version: the version-specific patch consults
-`survival` from its eviction strategy and feeds `apply` from the hint batches.
+Pure state, independent of the SGLang version: the shared glue (sglang_common.MoriEngine,
+so every supported line) consults `survival` from its eviction key and feeds `apply` from the
+hint batches that are not stale; `forget` drops the roles of programs the engine forgot, so
+the mapping stays as large as what the engine holds (MAX_AGENTS caps it regardless).
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ class AnchorScores:
     scores: dict[str, float] = field(default_factory=dict)
     agents: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
-    def apply(self, body: Mapping[str, Any]) -> None:
-        """Take a batch's `scores` (they replace the previous ones) and `agents`."""
-        scores, agents = parse(body)
+    def apply(self, scores: dict[str, float] | None, agents: Mapping[str, str]) -> None:
+        """Take a parsed batch's `scores` (they replace the previous ones; None keeps them)
+        and `agents`."""
         if scores is not None:
             self.scores = scores
         for program, agent in agents.items():
@@ -62,6 +64,11 @@ class AnchorScores:
             self.agents.move_to_end(program)
         while len(self.agents) > MAX_AGENTS:
             self.agents.popitem(last=False)
+
+    def forget(self, programs: Iterable[str]) -> None:
+        """Drop the roles of programs the engine no longer tracks (ended, holding nothing)."""
+        for program in programs:
+            self.agents.pop(program, None)
 
     def survival(self, programs: Iterable[str]) -> float:
         """A node's score: the best of its programs' roles if two or more programs share

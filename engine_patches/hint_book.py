@@ -91,11 +91,12 @@ class HintBook:
         self.types[program] = hint
         return True
 
-    def forget_ended(self, holds: Callable[[str], bool]) -> int:
+    def forget_ended(self, holds: Callable[[str], bool]) -> list[str]:
         """Drop inactive programs that hold no KV any more (ended, evicted): the book then
         stays as large as what the engine holds, not as every program it was ever told of.
-        A forgotten program that comes back counts as unhinted (busy) until the next hint."""
+        A forgotten program that comes back counts as unhinted (busy) until the next hint.
+        Returns the programs forgotten (their other per-program state goes with them)."""
         gone = [p for p, h in self.types.items() if h is Hint.INACTIVE and not holds(p)]
         for program in gone:
             del self.types[program]
-        return len(gone)
+        return gone

@@ -4,7 +4,8 @@ What it installs (through SGLang's plugin hook registry, in every SGLang process
 the shared glue (engine_patches/sglang_common.py: control path, routes, busy-first):
 - stamping: radix nodes remember the programs (request `session_id`) that inserted, split or
   matched them; kept in a ResidencyLedger keyed by node id;
-- eviction policy "mori" (`--radix-eviction-policy mori`): (type rank, LRU) on both tiers;
+- eviction policy "mori" (`--radix-eviction-policy mori`): (type rank, survival, LRU) on
+  both tiers (the key and CacheSage's survival scores are the shared glue's);
 - residency: every hook that can change a node's tiers marks it dirty.
 """
 

@@ -10,8 +10,9 @@ SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=mori, and which
   matched them (`InsertParams.session_id` carries the program on insert);
 - marks a node dirty whenever the tree records a KV store or removal on either tier (its
   KV-event recorder sees every tier change, enabled or not), for exact residency;
-- ranks eviction victims with the "mori" strategy (registered like SGLang's own `priority`
-  strategy; the Rust core accepts only built-in policies, the Python core any);
+- ranks eviction victims with the "mori" strategy, (type rank, CacheSage survival, LRU)
+  (registered like SGLang's own `priority` strategy; the Rust core accepts only built-in
+  policies, the Python core any);
 - takes `mori.program_type` actions from a request's `kv_hints` envelope (kv_actions.py).
 
 Everything else (control path, routes, busy-first, typed offload and load-back plans) is the

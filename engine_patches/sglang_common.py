@@ -6,6 +6,8 @@
 - the control message (`MoriControlReqInput/Output`) through SGLang's communicator and
   request dispatcher, applied alike on every TP rank (engine_patches/control.py);
 - busy-first admission after `SchedulePolicy.calc_priority`;
+- CacheSage survival scores (engine_patches/anchor_scores.py): once the router pushes them
+  with the hints, nodes shared by several programs order by (type rank, survival, LRU);
 - the HTTP routes POST /mori/hints and GET /mori/residency (docs/hint-protocol.md).
 
 Residency is exact and cheap: every hook that can change a node's tiers marks it dirty, and
@@ -26,6 +28,8 @@ from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
+from engine_patches import anchor_scores
+from engine_patches.anchor_scores import AnchorScores
 from engine_patches.control import ControlPath
 from engine_patches.hint_book import HintBatch, HintBook, HintError
 from engine_patches.plugin import STRICT_ENV
@@ -66,6 +70,7 @@ class MoriEngine(ABC):
 
     def __init__(self) -> None:
         self.book = HintBook()
+        self.anchors = AnchorScores()
         self.ledger = ResidencyLedger()
         self.nodes: dict[int, Any] = {}  # node id -> tree node, for stamped/observed nodes
         self.dirty: dict[int, Any] = {}
@@ -161,11 +166,15 @@ class MoriEngine(ABC):
                 self.nodes.pop(nid, None)
 
     # --- eviction order ---------------------------------------------------------------------
-    def victim_key(self, node: Any) -> tuple[int, float]:
-        """(type rank, LRU): a device candidate is on device, a host candidate is evicted."""
+    def victim_key(self, node: Any) -> tuple[int, float, float]:
+        """(type rank, survival, LRU): a device candidate is on device, a host candidate is
+        evicted; survival is CacheSage's score of a node shared by several programs (0 for
+        the rest, and for every node until the router pushes scores)."""
         tier = CacheTier.DEVICE if self.node_tiers(node)[0] else CacheTier.HOST
-        hints = [self.book.hint(p) or DEFAULT_HINT for p in self.ledger.programs_of(node.id)]
-        return victim_key(tier, hints, node.last_access_time)
+        programs = self.ledger.programs_of(node.id)
+        hints = [self.book.hint(p) or DEFAULT_HINT for p in programs]
+        rank, last_access = victim_key(tier, hints, node.last_access_time)
+        return rank, self.anchors.survival(programs), last_access
 
     # --- typed offload ----------------------------------------------------------------------
     def _views(self, program: str) -> list[NodeView]:
@@ -216,28 +225,41 @@ class MoriEngine(ABC):
         return max(0, available - running_reserve(self.scheduler))
 
     # --- control messages -------------------------------------------------------------------
-    def apply_hints(self, batch: HintBatch) -> dict[str, Any]:
+    def apply_hints(
+        self,
+        batch: HintBatch,
+        scores: dict[str, float] | None = None,
+        agents: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Apply a validated batch and its CacheSage fields (a stale batch changes nothing,
+        its scores included)."""
         # Collect finished host backups first: a node whose write is still pending is locked,
         # and an idle program's offload would skip it.
         self.flush_writes()
         self.reconcile()
         applied = self.book.apply(batch, known=self.ledger.programs())
+        if not applied.stale:
+            self.anchors.apply(scores, agents or {})
         for program, hint in sorted(applied.changed.items()):
             if hint is Hint.IDLE:
                 self.offload(program)
             elif hint is Hint.BUSY:
                 self.load_back(program)
         self.reconcile()
-        self.book.forget_ended(self.ledger.holds)
+        self.forget_ended()
         return {
             "epoch": self.book.epoch,
             "stale": applied.stale,
             "residency": {p: self.ledger.residency(p).as_json() for p in batch.hints},
         }
 
+    def forget_ended(self) -> None:
+        """Forget inactive programs that hold nothing any more, their roles with them."""
+        self.anchors.forget(self.book.forget_ended(self.ledger.holds))
+
     def residency(self) -> dict[str, Any]:
         self.reconcile()
-        self.book.forget_ended(self.ledger.holds)
+        self.forget_ended()
         device, host = self.pools()
         programs = {*self.ledger.programs(), *self.book.types}
         return {
@@ -246,7 +268,12 @@ class MoriEngine(ABC):
             "device_used_tokens": int(device.size - device.available_size()),
             "host_used_tokens": int(host.size - host.available_size()),
             "epoch": self.book.epoch,
-            "state": {**self.ledger.size(), "hinted": len(self.book.types)},
+            "state": {
+                **self.ledger.size(),
+                "hinted": len(self.book.types),
+                "agents": len(self.anchors.agents),
+            },
+            "anchor_scores": dict(self.anchors.scores),
             "programs": {
                 p: {"hint": (self.book.hint(p) or DEFAULT_HINT).value}
                 | self.ledger.residency(p).as_json()
@@ -260,8 +287,9 @@ class MoriEngine(ABC):
         return self.control.run(op, body, self._dispatch)
 
     def _dispatch(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
-        if op == "hints":
-            return self.apply_hints(HintBatch.parse(body))
+        if op == "hints":  # everything is validated before anything changes (TP-safe)
+            batch = HintBatch.parse(body)
+            return self.apply_hints(batch, *anchor_scores.parse(body))
         return self.residency()
 
 
@@ -308,9 +336,9 @@ def key_path(engine: MoriEngine, key: Any, is_eagle: bool) -> Iterator[Any]:
 
 # --- SGLang types ----------------------------------------------------------------------------
 class MoriTypeStrategy(EvictionStrategy):
-    """`--radix-eviction-policy mori`: (type rank, LRU) on both tiers."""
+    """`--radix-eviction-policy mori`: (type rank, survival, LRU) on both tiers."""
 
-    def get_priority(self, node: Any) -> tuple[int, float]:
+    def get_priority(self, node: Any) -> tuple[int, float, float]:
         assert ENGINE is not None, "the mori eviction policy runs only with the MORI plugin"
         return ENGINE.victim_key(node)
 
@@ -442,6 +470,7 @@ def install_http_routes() -> None:
             return _error("body is not valid JSON", 400)
         try:
             HintBatch.parse(body)
+            anchor_scores.parse(body)
         except HintError as exc:
             return _error(str(exc), 400)
         return await _ask_scheduler("hints", body)

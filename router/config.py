@@ -27,6 +27,7 @@ SCALED_TIMERS = (
     "lease_s",
     "gate_timeout_s",
     "reconcile_s",
+    "hint_ack_timeout_s",
     "aging_s",
     "predict_lead_s",
     "predict_grace_s",

@@ -1,5 +1,5 @@
 """The engine patch's own logic, without SGLang: type ranking, victim order, admission order,
-hint epochs, residency counters and the offload / load-back plans."""
+hint epochs, residency counters, CacheSage survival scores and the offload / load-back plans."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine_patches import anchor_scores
+from engine_patches.anchor_scores import AnchorScores
 from engine_patches.control import ControlPath
 from engine_patches.hint_book import HintBatch, HintBook, HintError
 from engine_patches.ranking import CacheTier, admit_rank, busy_first, keep_rank, victim_key
@@ -206,8 +208,46 @@ def test_kv_hints_program_type_actions_are_read_and_respect_epochs():
 def test_hint_book_forgets_ended_programs_that_hold_nothing():
     book = HintBook()
     book.apply(HintBatch(1, {f"p{i}": X for i in range(1000)} | {"held": X, "live": B}))
-    assert book.forget_ended(holds=lambda p: p == "held") == 1000
+    assert len(book.forget_ended(holds=lambda p: p == "held")) == 1000
     assert set(book.types) == {"held", "live"} and book.hint("p3") is None
+
+
+def test_anchor_scores_parse_rejects_bad_fields():
+    for body in (
+        {"scores": {"A": 1.5}},
+        {"scores": {"A": True}},
+        {"scores": ["A"]},
+        {"agents": {"p": 3}},
+        {"agents": {"": "A"}},
+    ):
+        with pytest.raises(HintError):
+            anchor_scores.parse(body)
+    assert anchor_scores.parse({}) == (None, {})
+    assert anchor_scores.parse({"scores": {"A": 1}}) == ({"A": 1.0}, {})
+
+
+def test_survival_is_the_best_role_score_of_a_shared_node_only():
+    book = AnchorScores()
+    assert book.survival(["a1", "a2"]) == 0.0  # no scores yet: plain typed LRU
+    book.apply({"A": 0.9, "B": 0.1}, {"a1": "A", "a2": "A", "b1": "B"})
+    assert book.survival(["a1", "a2"]) == 0.9
+    assert book.survival(["a1", "b1"]) == 0.9  # the best of its programs' roles
+    assert book.survival(["b1", "unnamed"]) == 0.1
+    assert book.survival(["a1"]) == 0.0  # private KV keeps the typed LRU order
+    book.apply(None, {})  # no `scores` field: the scores stay
+    assert book.survival(["a1", "a2"]) == 0.9
+    book.apply({}, {})  # empty scores clear them
+    assert book.survival(["a1", "a2"]) == 0.0
+
+
+def test_anchor_scores_forget_ended_programs_and_stay_bounded(monkeypatch):
+    book = AnchorScores()
+    book.apply({"A": 1.0}, {"a1": "A", "a2": "A", "a3": "A"})
+    book.forget(["a1", "never-named"])
+    assert list(book.agents) == ["a2", "a3"] and book.survival(["a1", "x"]) == 0.0
+    monkeypatch.setattr(anchor_scores, "MAX_AGENTS", 2)
+    book.apply(None, {"a2": "A", "a4": "A"})  # a2 named again: a3 is the least recent
+    assert list(book.agents) == ["a2", "a4"]
 
 
 def test_control_path_reports_a_failure_on_any_rank_and_refuses_more_hints():

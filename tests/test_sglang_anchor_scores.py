@@ -1,5 +1,6 @@
-"""CacheSage's survival scores in a real SGLang 0.5.17 on CPU (engine_patches/anchor_scores.py):
-a predicted role's anchor survives the pressure that evicts it under plain (typed) LRU.
+"""CacheSage's survival scores in a real SGLang on CPU, either line (MORI_SGLANG_VERSION;
+engine_patches/anchor_scores.py through sglang_common): a predicted role's anchor survives
+the pressure that evicts it under plain (typed) LRU.
 
 Two patched servers run the same sequence side by side; one is told the agents' survival
 scores with the hints, the other is not. Two roles, A and B, each have two programs whose
@@ -7,25 +8,20 @@ prompts start with the role's 40-token anchor (so the radix tree holds it once, 
 A's programs run first (A's anchor is the older one). Every A/B program is then typed
 inactive, and unhinted (busy) programs push the device pool over: their private tails go
 first, then one anchor. Plain LRU drops A's anchor; with A scored 0.9 and B 0.1, B's goes.
+A stale batch's scores are ignored like its hints.
 """
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.sglang.server import PYTHON, Server, build_tiny_model, patched_servers
+from tests.sglang.server import PYTHON, REAL_ENGINE, Server, build_tiny_model, patched_servers
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
-    ),
-]
+pytestmark = REAL_ENGINE
 
 FLAGS = [
     "--max-total-tokens", "256",
@@ -33,7 +29,7 @@ FLAGS = [
     "--max-running-requests", "2",
     "--chunked-prefill-size", "128",
 ]  # fmt: skip
-ANCHOR = {"A": list(range(20, 60)), "B": list(range(60, 100))}  # the tiny model: 400 ids
+ANCHOR = {"A": list(range(20, 60)), "B": list(range(60, 100))}  # the tiny model: 512 ids
 PROGRAMS = {"a1": "A", "a2": "A", "b1": "B", "b2": "B"}
 
 
@@ -56,10 +52,14 @@ def generate(server: Server, program: str) -> dict:
     return r.json()
 
 
-def on_device(server: Server) -> dict[str, int]:
+def residency(server: Server) -> dict:
     r = httpx.get(f"{server.url}/mori/residency", timeout=30)
-    assert r.status_code == 200, r.text
-    programs = r.json()["programs"]
+    assert r.status_code == 200 and "programs" in r.json(), r.text
+    return r.json()
+
+
+def on_device(server: Server) -> dict[str, int]:
+    programs = residency(server)["programs"]
     return {p: programs.get(p, {}).get("device_tokens", 0) for p in PROGRAMS}
 
 
@@ -102,6 +102,11 @@ def test_a_predicted_anchor_survives_pressure_that_evicts_it_under_lru(tmp_path:
             {"epoch": 1, "hints": inactive, "agents": PROGRAMS, "scores": {"A": 0.9, "B": 0.1}},
         )
         assert set(answer["residency"]) == set(PROGRAMS)
+        assert residency(plain)["anchor_scores"] == {}
+        assert residency(scored)["anchor_scores"] == {"A": 0.9, "B": 0.1}
+        stale = push(scored, {"epoch": 0, "hints": {}, "scores": {"A": 0.0, "B": 1.0}})
+        assert stale["stale"] and residency(scored)["anchor_scores"] == {"A": 0.9, "B": 0.1}
+        assert residency(scored)["state"]["agents"] == len(PROGRAMS)
         bad = httpx.post(
             f"{scored.url}/mori/hints", json={"epoch": 2, "hints": {}, "scores": {"A": 2}}
         )
