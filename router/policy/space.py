@@ -1,10 +1,12 @@
-"""Tokencake's space scheduler (§5) on top of `mori`: `mori+space`.
+"""Tokencake's space scheduler (§5): `mori+space` (on top of `mori`) and
+`mori-priced+space` (on top of `mori-priced`).
 
 `mori` already carries Tokencake's *time* scheduler (offload at tool start when the
-window pays, predictive load-back: `router.policy.mori`); `mori+space` adds the *space*
-scheduler for multi-agent applications whose agents form a graph (`router.policy.app_graph`:
-registered through `POST /v1/apps` or a trace's `graph`, else inferred from hand-overs).
-Three parts:
+window pays, predictive load-back: `router.policy.mori`), so `mori+space` is Tokencake's
+two schedulers together; `mori-priced+space` is the space scheduler without the time
+scheduler. Both add the *space* scheduler for multi-agent applications whose agents form
+a graph (`router.policy.app_graph`: registered through `POST /v1/apps` or a trace's
+`graph`, else inferred from hand-overs). Three parts:
 
 * **Hybrid priority** (§5.2) of a held request of agent type t (an app's role):
 
@@ -51,6 +53,7 @@ from router.policy.app_graph import AppGraphs, Edges, Shape, check_edges
 from router.policy.base import PolicyConfig
 from router.policy.mori import MoriPolicy
 from router.policy.mori_paper import Idleness
+from router.policy.priced import PricedPolicy
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
@@ -79,10 +82,9 @@ class Partition:
     reserve: dict[str, int] = field(default_factory=dict)  # critical type -> tokens
 
 
-class SpacePolicy(MoriPolicy):
-    """`mori` plus Tokencake's space scheduler (see the module docstring)."""
-
-    name = "mori+space"
+class SpaceScheduler(PricedPolicy):
+    """Tokencake's space scheduler over a MORI policy (see the module docstring); the
+    registered policies below put it in front of `mori` or `mori-priced`."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
@@ -91,7 +93,7 @@ class SpacePolicy(MoriPolicy):
         self.critical: frozenset[str] = frozenset()
         self._pushed_critical: frozenset[str] = frozenset()
         self._unpushed: set[str] = set()  # app programs the engines were not told of yet
-        self.outcomes["critical_promotions"] = 0
+        self.critical_promotions = 0
 
     # the shells' hooks ----------------------------------------------------------------
     def register_app(self, app: str, edges: Edges | list) -> dict[str, Shape]:
@@ -257,7 +259,7 @@ class SpacePolicy(MoriPolicy):
                 placed = self._place_critical(p, r, now)
                 if placed:
                     moves += placed
-                    self.outcomes["critical_promotions"] += 1
+                    self.critical_promotions += 1
                     break
         return moves
 
@@ -305,7 +307,7 @@ class SpacePolicy(MoriPolicy):
             for q in self.tiers.members(Placement(Tier.GPU, replica))
             if q.status is Status.ACTING
             and q.demote_after_step is None
-            and q.program_id not in self.protected_until
+            and q.program_id not in getattr(self, "protected_until", ())
             and self.graphs.agent_type(q.program_id) not in self.critical
         ]
         pool.sort(key=lambda q: (self.static(q.program_id), -self.expected_idle_s(q, now)))
@@ -349,8 +351,21 @@ class SpacePolicy(MoriPolicy):
         """The critical types and each replica's pool (for the admin API)."""
         return {
             "critical": sorted(self.critical),
+            "critical_promotions": self.critical_promotions,
             "replicas": {
                 r: {"reserve_ratio": round(part.ratio, 4), "reserve_tokens": dict(part.reserve)}
                 for r, part in self.partitions.items()
             },
         }
+
+
+class SpacePolicy(SpaceScheduler, MoriPolicy):
+    """`mori` (priced displacement + Tokencake's time scheduler) plus the space scheduler."""
+
+    name = "mori+space"
+
+
+class PricedSpacePolicy(SpaceScheduler):
+    """`mori-priced` plus the space scheduler (no time scheduler)."""
+
+    name = "mori-priced+space"
