@@ -49,7 +49,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.policy.app_graph import AppGraphs, Edges, Shape, check_edges
+from router.policy.app_graph import AppGraphs, Shape, check_edges
 from router.policy.base import PolicyConfig
 from router.policy.mori import MoriPolicy
 from router.policy.mori_paper import Idleness
@@ -96,9 +96,9 @@ class SpaceScheduler(PricedPolicy):
         self.critical_promotions = 0
 
     # the shells' hooks ----------------------------------------------------------------
-    def register_app(self, app: str, edges: Edges | list) -> dict[str, Shape]:
+    def register_app(self, app: str, edges: object) -> dict[str, Shape]:
         """An application's graph (what `POST /v1/apps` carries); ValueError if invalid."""
-        return self.graphs.register(app, check_edges(list(edges)))
+        return self.graphs.register(app, check_edges(edges))
 
     def observe(self, event: AgentEvent) -> None:
         """A request's app, role and task, before `on_request` (see the shells)."""
