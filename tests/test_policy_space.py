@@ -91,6 +91,7 @@ def pressured(name: str = "mori+space"):
         cpu=1000,
         critical_ratio=0.5,
         reserve_step=0.5,
+        reserve_max=0.5,
         gpu_usage_high=0.8,
         displace_margin=1e9,
         w_static=1000.0,  # the graph decides which type is critical, not the waits
