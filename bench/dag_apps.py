@@ -19,19 +19,20 @@ per seed against smg and against `mori` (= `mori-priced` + the time scheduler):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from router.replay.generators import generate, load_preset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.multiagent
+
+from bench.multiagent import run_all, run_one  # noqa: E402
 from router.sim.cli import _setting, load_scenario
-from router.sim.simulator import SimConfig, simulate
+from router.sim.simulator import SimConfig
 
 TASKS = 200  # more than arrive in a run: no task repeats
 RATES = {"code-writer": 0.04, "deep-research": 0.05}  # tasks/s: ~95 % of tok/s capacity
@@ -54,14 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=2, help="parallel processes")
     ap.add_argument("--json", dest="json_out", help="write every run and the summary here")
     return ap.parse_args(argv)
-
-
-def run_one(job: tuple[str, int, SimConfig]) -> dict:
-    workload, seed, config = job
-    corpus = list(generate(load_preset(f"dag-{workload}"), TASKS, seed))
-    row = simulate(corpus, config).to_dict()
-    row.update(workload=workload, seed=seed)
-    return row
 
 
 def jobs(args: argparse.Namespace) -> list[tuple[str, int, SimConfig]]:
@@ -144,17 +137,8 @@ def table(summary: list[dict], title: str) -> Table:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=200)
-    todo = jobs(args)
-    rows = []
-    columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
-    with (
-        Progress(*columns, TimeElapsedColumn(), console=console) as progress,
-        ProcessPoolExecutor(max_workers=args.jobs) as pool,
-    ):
-        task = progress.add_task("simulating", total=len(todo))
-        for row in pool.map(run_one, todo):
-            rows.append(row)
-            progress.advance(task)
+    run = functools.partial(run_one, family="dag", tasks=TASKS)
+    rows = run_all(jobs(args), run, args.jobs, console)
     summary = summarize(rows)
     sc = load_scenario(args.scenario)
     rates = ", ".join(f"{w} {RATES[w] * args.rate_x:g}/s" for w in args.workloads)

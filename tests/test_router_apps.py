@@ -11,18 +11,15 @@ import time
 import httpx
 import pytest
 
-from tests.router_harness import assert_clean, client, emulator, router
+from tests.router_harness import assert_clean, client, fast_stack
 
 EDGES = [["Planner", "Searcher"], ["Searcher", "Writer"], ["Planner", "Writer"]]
 
 
 @pytest.fixture(scope="module")
 def stack():
-    with (
-        emulator("--time-scale", "50", "--gpu-tokens", "60000") as (replica, _),
-        router([replica], policy="mori+space") as base,
-    ):
-        yield base, replica
+    with fast_stack("mori+space") as urls:
+        yield urls
 
 
 def ask(api, pid: str, role: str, app: str | None, parent: str | None = None) -> None:

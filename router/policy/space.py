@@ -52,7 +52,7 @@ from typing import Any
 from router.policy.app_graph import AppGraphs, Shape, check_edges
 from router.policy.base import PolicyConfig
 from router.policy.mori import MoriPolicy
-from router.policy.mori_paper import Idleness
+from router.policy.mori_paper import Classes, Idleness
 from router.policy.priced import PricedPolicy
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities
@@ -144,17 +144,10 @@ class SpaceScheduler(PricedPolicy):
         wait = now - p.last_active_s if p.pending else 0.0
         return self.static(p.program_id) + dynamic_priority(wait, p.context_tokens)
 
-    def _order_classes(
-        self,
-        on_cpu: list[Program],
-        returning: list[Program],
-        new: list[Program],
-        idleness: Idleness,
-        now: float,
-    ) -> None:
+    def _order_classes(self, classes: Classes, idleness: Idleness, now: float) -> None:
         """MORI's order within each class, hybrid priority first."""
-        super()._order_classes(on_cpu, returning, new, idleness, now)
-        for group in (on_cpu, returning, new):
+        super()._order_classes(classes, idleness, now)
+        for group in classes:
             group.sort(key=lambda p: -self.priority(p, now))  # stable: MORI's order in ties
 
     def _rank(self, now: float):
@@ -286,18 +279,7 @@ class SpaceScheduler(PricedPolicy):
             victims = self._reclaim(replica, p.context_tokens - room, now)
             if not victims:
                 return []
-        reason = (
-            MoveReason.PROMOTE_CPU
-            if p.placement.tier is Tier.CPU
-            else MoveReason.PROMOTE_WAITING
-            if p.steps > 0
-            else MoveReason.PROMOTE_NEW
-        )
-        cpu = Placement(Tier.CPU, replica)
-        moves = [
-            self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now) for v in victims
-        ]
-        return moves + [self._move(p, gpu, reason, now)]
+        return self._swap_in(p, replica, victims, {replica: room}, now)
 
     def _reclaim(self, replica: str, need: int, now: float) -> list[Program]:
         """Non-critical ACTING programs of GPU(replica) freeing `need` tokens, lowest

@@ -34,7 +34,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from router.policy.app_graph import check_edges, roles_of, shapes
-from router.replay.generate import Dist, StrictModel, Tool
+from router.replay.generate import Dist, StrictModel, Tool, check_loop_tools
 from router.replay.trace import TraceProgram, TraceStep
 from router.replay.trace_stats import Nominal
 
@@ -55,11 +55,7 @@ class Agent(StrictModel):
 
     @model_validator(mode="after")
     def _tools_for_loops(self) -> Agent:
-        if self.tool_calls is not None and not self.tools:
-            raise ValueError("an agent with tool_calls needs tools")
-        missing = [n for n, t in self.tools.items() if t.duration_s is None]
-        if missing:
-            raise ValueError(f"tools {missing} need duration_s")
+        check_loop_tools(self.tool_calls is not None, self.tools, "an agent with tool_calls")
         return self
 
 
