@@ -8,12 +8,15 @@ import math
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
+from router.policy import PolicyConfig, make_policy
 from router.policy.app_graph import AppGraphs, check_edges, shapes
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities
 from router.policy.space import dynamic_priority, static_priority
 from router.policy.types import MoveReason, Placement, Tier
 from tests.test_policy_mori import make, where
+from tests.test_policy_properties import play, scenario
 
 GPU0 = Placement(Tier.GPU, "r0")
 
@@ -173,3 +176,27 @@ def test_without_apps_the_moves_are_the_base_policys(base, space):
                 log += policy.tick(now)
         runs.append([(m.program_id, m.src, m.dst, m.reason) for m in log])
     assert runs[0] == runs[1] and len(runs[0]) > 50
+
+
+# invariants with apps under pressure ---------------------------------------------------------
+@pytest.mark.parametrize("name", ["mori+space", "mori-priced+space"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=scenario)
+def test_invariants_hold_with_an_app_and_a_reserved_pool(name, events):
+    """The property driver of every policy, every program a role of one app's graph and a
+    pool that reserves early: tiers exact, budgets kept, no held request left where it
+    fits, no route to a failed replica."""
+    config = PolicyConfig(
+        lease_s=200.0, tick_s=0.0, gpu_usage_high=0.3, reserve_step=0.25, reserve_max=0.5
+    )
+    policy = make_policy(name, config)
+    policy.register_app("app", [["a", "b"], ["b", "c"], ["a", "c"]])
+    on_request = policy.on_request
+
+    def tagged(pid: str, now: float, tokens: int) -> list:
+        role = "abc"[int(pid[1:]) % 3]
+        policy.observe(AgentEvent(EventKind.REQUEST, now, pid, role, app="app"))
+        return on_request(pid, now, tokens)
+
+    policy.on_request = tagged
+    play(policy, events)
