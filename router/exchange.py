@@ -79,6 +79,7 @@ class Call:
     agent: str | None = None  # agent role: explicit, else its anchor's hash (agent_identity)
     anchor: Anchor | None = None  # tools + leading system messages (CacheSage warms them)
     parent: str | None = None  # the program this one works for (X-Parent-Id)
+    app: str | None = None  # the application (agent graph) its task runs (X-App-Id)
 
 
 class Exchange(Response):
