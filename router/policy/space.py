@@ -312,7 +312,7 @@ class SpaceScheduler(PricedPolicy):
         moves = super().end(program_id, now, reason)
         self.graphs.forget(program_id)
         self._unpushed.discard(program_id)
-        return moves
+        return moves + self._promote(now)  # the pool's share for it is free room now
 
     def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
         """Adds the program's app graph position, priorities and whether it is critical."""
