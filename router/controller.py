@@ -14,15 +14,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import httpx
-
 from router.config import RouterConfig
-from router.engines import HintsUnsupported, Replica, make_replicas
+from router.engines import HintsUnsupported, Replica, make_replicas, make_upstream
 from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.outliers import Outliers
 from router.policy import Policy, make_policy
 from router.policy.types import Hint, Move, ReplicaCapacity
+from router.upstream import UpstreamError
 
 log = logging.getLogger("mori.router")
 
@@ -45,7 +44,10 @@ class Router:
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
         self.outliers = Outliers(clock, config.stall_s, config.outlier_failures, config.eject_s)
-        self.client, self.pools, self.replicas = make_replicas(config)
+        self.upstream = make_upstream(config)
+        self.replicas = make_replicas(config, self.upstream)
+        # told of every drain (url, why) and rejoin (url, None): the data-plane workers
+        self.listeners: list[Callable[[str, str | None], None]] = []
         self.epoch = 0
         self.in_flight = 0
         self._chars_per_token: dict[str, float] = {}
@@ -76,7 +78,7 @@ class Router:
             else:
                 self.policy.add_replica(replica.url, result)
         self.metrics.refresh_tiers(self.policy)
-        loops = [self._tick_loop, self._capacity_loop, self._health_loop, self._outlier_loop]
+        loops = [self._tick_loop, self._capacity_loop, self._health_loop]
         if self.policy.sends_hints:
             loops.append(self._hint_loop)
         self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
@@ -99,9 +101,7 @@ class Router:
             await asyncio.wait(self._background, timeout=2.0)
         for probe in list(self._probes.values()):  # a hung replica's probe: not waited for
             probe.cancel()
-        await self.client.aclose()
-        for pool in self.pools:
-            await pool.aclose()
+        self.upstream.close()
 
     # moves -> effects ---------------------------------------------------------------
     def apply(self, moves: list[Move]) -> None:
@@ -176,18 +176,23 @@ class Router:
         self.apply(self.policy.set_healthy(replica.url, False, self.clock()))
         self.metrics.replica_healthy.labels(replica.url).set(0)
         self.metrics.ejections.labels(replica.url, reason).inc()
-        self.outliers.cut_silent(replica.url, f"replica drained: {why}")
+        self._tell(replica.url, f"replica drained: {why}")
+
+    def _tell(self, url: str, why: str | None) -> None:
+        for listener in self.listeners:
+            listener(url, why)
 
     async def _rejoin(self, replica: Replica) -> None:
         try:
             cap = await replica.fetch_capacity(self.config.host_ratio)
-        except (httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, ValueError) as e:
             log.info("replica %s healthy but capacity unknown: %s", replica.url, e)
             return
         self.policy.set_capacity(replica.url, cap)
         log.warning("replica %s rejoined", replica.url)
         self.apply(self.policy.set_healthy(replica.url, True, self.clock()))
         self.metrics.replica_healthy.labels(replica.url).set(1)
+        self._tell(replica.url, None)
         if self.policy.sends_hints:
             await self.sync_hints(full=True)
 
@@ -227,7 +232,7 @@ class Router:
                 continue
             try:
                 cap = await replica.fetch_capacity(self.config.host_ratio)
-            except (httpx.HTTPError, ValueError) as e:
+            except (UpstreamError, ValueError) as e:
                 log.info("capacity refresh of %s failed: %s", replica.url, e)
                 continue
             if cap != self.policy.tiers.capacity.get(replica.url):
@@ -251,19 +256,15 @@ class Router:
             if healthy and replica.failures >= self.config.health_failures:
                 self.drain(replica, f"{replica.failures} failed health checks", "health")
 
-    async def _outlier_loop(self) -> None:
-        await self._every(self.config.stall_s / 4, self.watch_outliers)
-
-    def watch_outliers(self) -> None:
-        """Silent replicas: a drained one has its silent requests cut; a healthy one is
-        probed (at most once per `stall_s`) and drained if the probe fails."""
-        for url in self.outliers.silent():
-            replica = self.replicas[url]
-            if not self.policy.tiers.healthy[url]:
-                self.outliers.cut_silent(url, "replica drained and silent")
-            elif self.outliers.due_probe(url):
-                silence = f"no byte for {self.config.stall_s:g} s with requests in flight"
-                self.spawn(self.confirm(replica, silence, "stalled"))
+    def on_silent(self, url: str) -> None:
+        """A worker's requests on a healthy replica have been silent for `stall_s`: probe
+        it (at most once per `stall_s`) and drain it if the probe fails."""
+        replica = self.replicas.get(url)
+        if replica is None or not self.policy.tiers.healthy.get(url, False):
+            return
+        if self.outliers.due_probe(url):
+            silence = f"no byte for {self.config.stall_s:g} s with requests in flight"
+            self.spawn(self.confirm(replica, silence, "stalled"))
 
     def probe(self, replica: Replica) -> asyncio.Future[bool]:
         """The replica's health probe: one in flight at a time, shared by all who ask."""
@@ -324,7 +325,7 @@ class Router:
             self.metrics.hint_unsupported.labels(replica.url).inc()
             self.metrics.hint_pushes.labels(replica.url, "unsupported").inc()
             return
-        except (httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, ValueError) as e:
             log.info("hint push to %s failed: %s", replica.url, e)
             self.metrics.hint_pushes.labels(replica.url, "error").inc()
             return

@@ -17,6 +17,7 @@ import json
 import logging
 import multiprocessing
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from router import identity
 from router.errors import ApiError
-from router.sanitize import LabelError, check_label
+from router.sanitize import LabelError, check_label, header_text
 
 log = logging.getLogger("mori.intake")
 
@@ -50,6 +51,16 @@ class Hints:
     program_id: str | None = None
     agent: str | None = None
     namespace: str = ""
+
+
+def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
+    """The headers `prepare` reads, decoded as UTF-8 (400 naming the header if not)."""
+    try:
+        program_id = header_text(headers, "x-program-id")
+        agent = header_text(headers, "x-agent-role")
+    except LabelError as e:
+        raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
+    return Hints(program_id or None, agent or None, identity.namespace(key))
 
 
 # --- reading --------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""The link between a data-plane worker and the policy owner: framed messages on a
+socketpair, batched per event-loop turn.
+
+A worker asks the owner once per request (`GO`, answered by `ROUTE` or `ERROR`) and
+reports each attempt (`ATTEMPT`); the owner tells every worker about drains and rejoins.
+Messages are tuples whose first item is a kind below, pickled (both ends are this
+program, on a private socketpair). Writes made in one loop turn go out in one `write`,
+so under load one system call carries many messages in each direction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.accounting import Usage
+
+# worker -> owner
+GO = 1  # (GO, seq, Ticket): a request wants a replica
+ATTEMPT = 2  # (ATTEMPT, seq, Outcome): how the last routed attempt went
+CANCEL = 3  # (CANCEL, seq): the client left while the request waited for a replica
+SILENT = 4  # (SILENT, url): the worker's requests on the replica have been silent stall_s
+# owner -> worker
+HELLO = 10  # (HELLO, config_json, admin_url): what the worker serves with
+ROUTE = 11  # (ROUTE, seq, url): forward the request to this replica
+ERROR = 12  # (ERROR, seq, ApiError): answer the request with this error
+DRAINED = 13  # (DRAINED, url, why): cut the worker's silent requests on the replica
+REJOINED = 14  # (REJOINED, url)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What the owner needs of a request to place it (the body stays with the worker)."""
+
+    program_id: str
+    prompt_chars: int
+    arrival: float  # time.monotonic() when the worker had it parsed (same clock here)
+    agent: str | None = None  # agent role (predictive policies learn tool times per role)
+
+
+@dataclass
+class Outcome:
+    """How one attempt on a replica went, as the worker saw it."""
+
+    usage: Usage = field(default_factory=Usage)
+    # the attempt for the outlier books: True served, False the replica failed it,
+    # None neither (the client left, or the request could not be sent)
+    verdict: bool | None = None
+    status: str = "ok"  # ok | error | client_disconnect (the requests metric's outcome)
+    retry: str | None = None  # the replica failed before the client saw a byte: why
+    certain: bool = False  # retry: the replica is at fault for sure (refused, or cut)
+    suspect: str | None = None  # a failure mid-stream: the replica is probed
+    ttft: float | None = None  # time.monotonic() of the first byte sent to the client
+
+
+_LENGTH = struct.Struct("!I")
+
+
+class Link(asyncio.Protocol):
+    """One end of a worker-owner socketpair."""
+
+    def __init__(
+        self, on_message: Callable[[tuple[Any, ...]], None], on_lost: Callable[[], None]
+    ) -> None:
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._out: list[bytes] = []
+        self._buffer = b""
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self.closed:
+            return
+        frame = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(_LENGTH.pack(len(frame)))
+        self._out.append(frame)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.transport is not None and not self.closed:
+            self.transport.write(b"".join(out))
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer + data if self._buffer else data
+        at, end = 0, len(buffer)
+        while end - at >= 4:
+            (size,) = _LENGTH.unpack_from(buffer, at)
+            if end - at - 4 < size:
+                break
+            self.on_message(pickle.loads(buffer[at + 4 : at + 4 + size]))
+            at += 4 + size
+        self._buffer = buffer[at:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.on_lost()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def connect(sock: Any, link: Link) -> Link:
+    """Attach `link` to a connected socket (one end of a socketpair)."""
+    await asyncio.get_running_loop().connect_accepted_socket(lambda: link, sock=sock)
+    return link
