@@ -204,14 +204,19 @@ async def serve(config: RouterConfig) -> None:
             lifespan="on",
         )
     )
+    workers = Workers(router, config, listen)
     stop = asyncio.Event()
+
+    def on_signal() -> None:  # workers get the signal too: none of them is restarted now
+        workers.stopping = True
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     admin_task = asyncio.create_task(server.serve(sockets=[admin]))
     while not server.started and not admin_task.done():
         await asyncio.sleep(0.02)
-    workers = Workers(router, config, listen)
     if server.started:
         await workers.start(worker_count(config), admin_url)
         log.info(

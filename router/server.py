@@ -228,10 +228,9 @@ class Connection(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         """Malformed input: a JSON error (unless an answer is under way), then close."""
         if self.active is None and not self.closed and self.transport is not None:
-            self.transport.write(
-                _head(status, [(b"content-type", b"application/json")], False, True, 0)[0]
-                + error_body(status, message)
-            )
+            body = error_body(status, message, code="malformed_http")
+            head, _ = _head(status, [(b"content-type", b"application/json")], False, True, len(body))
+            self.transport.write(head + body)
         self.close()
 
     def close(self) -> None:

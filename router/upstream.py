@@ -72,6 +72,7 @@ class Response:
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.complete = False
+        self.keep_alive = False  # read at its head (the parser forgets it once complete)
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
 
@@ -153,6 +154,7 @@ class Connection(asyncio.Protocol):
         response = self.response
         assert response is not None
         response.status = self.parser.get_status_code()
+        response.keep_alive = self.parser.should_keep_alive()
         if self.head is not None and not self.head.done():
             self.head.set_result(response)
 
@@ -211,7 +213,7 @@ class Connection(asyncio.Protocol):
         """Back to the idle list if the answer was read whole and keep-alive, else closed."""
         if response is not self.response:
             return
-        reusable = response.complete and not self.closed and self.parser.should_keep_alive()
+        reusable = response.complete and response.keep_alive and not self.closed
         self._stop_watchdog()
         self.response = self.head = None
         if reusable and len(self.origin.idle) < MAX_IDLE:
