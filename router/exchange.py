@@ -65,8 +65,8 @@ class Exchange:
         finally:
             r.in_flight -= 1
             label = self.replica.url if self.replica else "-"
-            r.metrics.requests.labels(label, self.status).inc()
-            r.metrics.latency.labels(label).observe(r.clock() - self.ticket.arrival)
+            r.metrics.child(r.metrics.requests, label, self.status).inc()
+            r.metrics.child(r.metrics.latency, label).observe(r.clock() - self.ticket.arrival)
 
     async def _attempts(self, deadline: float) -> None:
         r, pid, policy = self.router, self.ticket.program_id, self.router.policy
@@ -101,7 +101,7 @@ class Exchange:
             if outcome.retry is None:
                 self.status = outcome.status
                 return
-            r.metrics.requests.labels(replica.url, "retried").inc()
+            r.metrics.child(r.metrics.requests, replica.url, "retried").inc()
             if outcome.certain:
                 r.drain(replica, outcome.retry, "connect")
             else:
@@ -136,9 +136,9 @@ class Exchange:
         if outcome.suspect is not None:
             r.spawn(r.confirm(replica, outcome.suspect, "failed"))
         if outcome.ttft is not None:
-            r.metrics.ttft.labels(replica.url).observe(outcome.ttft - self.ticket.arrival)
+            r.metrics.child(r.metrics.ttft, replica.url).observe(outcome.ttft - self.ticket.arrival)
         if usage.prompt_tokens is not None:
-            r.metrics.prompt_tokens.labels(replica.url).inc(usage.prompt_tokens)
+            r.metrics.child(r.metrics.prompt_tokens, replica.url).inc(usage.prompt_tokens)
             r.learn_tokens(self.ticket.program_id, self.ticket.prompt_chars, usage.prompt_tokens)
         if usage.completion_tokens is not None:
-            r.metrics.output_tokens.labels(replica.url).inc(usage.completion_tokens)
+            r.metrics.child(r.metrics.output_tokens, replica.url).inc(usage.completion_tokens)

@@ -98,7 +98,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = _DECODER.decode(raw.decode())
     except (ValueError, RecursionError):
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -125,6 +125,9 @@ def _shallow(doc: Any, limit: int) -> bool:
 def _reject_constant(name: str) -> Any:
     """NaN and Infinity are not JSON; engines choke on them."""
     raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # one, not one per request
 
 
 def agent_role(field: Any, header: str | None) -> str | None:

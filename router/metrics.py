@@ -6,6 +6,8 @@ one process without clashing on the global default registry.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -33,6 +35,7 @@ class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
         self.programs = Gauge("mori_programs", "programs per tier", ["replica", "tier"], registry=r)
         self.tier_tokens = Gauge(
@@ -110,6 +113,14 @@ class RouterMetrics:
             buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1),
             registry=r,
         )
+
+    def child(self, family: Counter | Histogram, *labels: str) -> Any:
+        """`family.labels(*labels)`, looked up once (the request path records several)."""
+        key = (id(family), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*labels)
+        return child
 
     def add_replica(self, replica: str) -> None:
         """Create every per-replica series at zero, so dashboards and alerts see them at once."""

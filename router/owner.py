@@ -3,9 +3,10 @@
 `mori serve` runs here. The owner keeps everything a placement decision reads or writes
 in one place (the policy's programs and tiers, the gate and turns, hints, health, the
 outlier streaks, the metrics) and serves the admin API on a private loopback port. The
-public port is served by `workers` data-plane processes (router/worker.py) that share
-one listening socket: each request costs the owner one decision round trip on a
-socketpair (`GO` -> `ROUTE`, then `ATTEMPT`), and the bytes never pass through it.
+public port is served by `workers` data planes (router/worker.py) sharing one listening
+socket: one in the owner's own process, whose decisions are direct calls, and
+`workers - 1` processes, whose requests each cost one decision round trip on a
+socketpair (`GO` -> `ROUTE`, then `ATTEMPT`); the bytes never pass through the owner.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from router.plane import (
     ROUTE,
     SILENT,
     Link,
+    LocalLink,
     Outcome,
     Ticket,
     connect,
@@ -52,9 +54,9 @@ STOP_GRACE_S = 10.0
 class WorkerLink:
     """The owner's end of one worker's link: runs an `Exchange` per request it sends."""
 
-    def __init__(self, router: Router, on_lost: Any) -> None:
+    def __init__(self, router: Router, on_lost: Any, link: LocalLink | None = None) -> None:
         self.router = router
-        self.link = Link(self._on_message, self._lost)
+        self.link: Link | LocalLink = link or Link(self.on_message, self._lost)
         self._on_lost = on_lost
         self._tasks: dict[int, asyncio.Task] = {}
         self._attempts: dict[int, asyncio.Future[Outcome]] = {}
@@ -63,7 +65,7 @@ class WorkerLink:
         """A replica was drained (why) or rejoined (None)."""
         self.link.send((REJOINED, url) if why is None else (DRAINED, url, why))
 
-    def _on_message(self, message: tuple[Any, ...]) -> None:
+    def on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == GO:
             seq = message[1]
@@ -218,18 +220,36 @@ async def serve(config: RouterConfig) -> None:
     while not server.started and not admin_task.done():
         await asyncio.sleep(0.02)
     if server.started:
-        await workers.start(worker_count(config), admin_url)
+        count = worker_count(config)
         log.info(
-            "router on %s:%d: %d data-plane workers, policy %s",
+            "router on %s:%d: %d data-plane worker(s), policy %s",
             config.host,
             config.port,
-            len(workers.procs),
+            count,
             config.policy,
         )
-        await asyncio.wait(
-            [asyncio.create_task(stop.wait()), admin_task], return_when="FIRST_COMPLETED"
-        )
-    await workers.stop()
+        await workers.start(count - 1, admin_url)
+        local = asyncio.create_task(_in_process_worker(router, config, admin_url, listen, stop))
+        await asyncio.wait([local, admin_task], return_when="FIRST_COMPLETED")
+        on_signal()
+        await asyncio.gather(local, workers.stop())  # both finish their requests
     listen.close()
     server.should_exit = True
     await admin_task
+
+
+async def _in_process_worker(
+    router: Router, config: RouterConfig, admin_url: str, listen: socket.socket, stop: Any
+) -> None:
+    """One of the data-plane workers runs in the owner's process and event loop, its link
+    two direct calls: its requests cost no round trip, and on a machine of N cores the
+    router is N processes, not N + 1 (`workers: 1` is one process)."""
+    from router.worker import OwnerLink, Worker
+
+    to_worker, to_owner = LocalLink(), LocalLink()
+    owner_end = WorkerLink(router, lambda _: None, to_worker)
+    worker_end = OwnerLink(None, to_owner)
+    to_worker.deliver, to_owner.deliver = worker_end.on_message, owner_end.on_message
+    worker = worker_end.worker = Worker(config, admin_url, worker_end, router.upstream)
+    router.listeners.append(owner_end.tell)
+    await worker.run(listen, stop)

@@ -104,7 +104,7 @@ class Relay:
                     raise value
                 attempting = True
                 outcome = await self._attempt(value, prepared, headers)
-                link.report(seq, outcome)
+                link.report(seq, outcome, retry=outcome.retry is not None)
                 attempting = False
                 if outcome.retry is None:
                     return

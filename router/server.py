@@ -229,7 +229,9 @@ class Connection(asyncio.Protocol):
         """Malformed input: a JSON error (unless an answer is under way), then close."""
         if self.active is None and not self.closed and self.transport is not None:
             body = error_body(status, message, code="malformed_http")
-            head, _ = _head(status, [(b"content-type", b"application/json")], False, True, len(body))
+            head, _ = _head(
+                status, [(b"content-type", b"application/json")], False, True, len(body)
+            )
             self.transport.write(head + body)
         self.close()
 

@@ -39,13 +39,14 @@ from router.plane import (
     ROUTE,
     SILENT,
     Link,
+    LocalLink,
     Outcome,
     Ticket,
     connect,
 )
 from router.relay import JSON, KIND_OF_PATH, Relay, read_body
 from router.server import Request, Server
-from router.upstream import UpstreamError
+from router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("mori.worker")
 
@@ -57,9 +58,9 @@ STOP_GRACE_S = 10.0
 class OwnerLink:
     """The worker's end of the link: one pending instruction per request in flight."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.link = Link(self._on_message, self._on_lost)
+    def __init__(self, worker: Worker | None, link: LocalLink | None = None) -> None:
+        self.worker = worker  # None until the owner's HELLO configured it
+        self.link: Link | LocalLink = link or Link(self.on_message, self._on_lost)
         self.hello: asyncio.Future[tuple[Any, ...]] = asyncio.get_running_loop().create_future()
         self.lost = asyncio.Event()
         self._seq = 0
@@ -77,8 +78,9 @@ class OwnerLink:
         future = self._waiting[seq] = asyncio.get_running_loop().create_future()
         return await future
 
-    def report(self, seq: int, outcome: Outcome) -> None:
-        self.link.send((ATTEMPT, seq, outcome))
+    def report(self, seq: int, outcome: Outcome, retry: bool = False) -> None:
+        """An attempt's outcome; urgent only when the request waits for the next word."""
+        self.link.send((ATTEMPT, seq, outcome), urgent=retry)
 
     def cancel(self, seq: int) -> None:
         self.link.send((CANCEL, seq))
@@ -86,8 +88,9 @@ class OwnerLink:
     def forget(self, seq: int) -> None:
         self._waiting.pop(seq, None)
 
-    def _on_message(self, message: tuple[Any, ...]) -> None:
+    def on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
+        assert self.worker is not None or kind == HELLO
         if kind in (ROUTE, ERROR):
             future = self._waiting.pop(message[1], None)
             if future is not None and not future.done():  # else the client already left
@@ -110,11 +113,13 @@ class OwnerLink:
 class Worker:
     """What one data-plane process serves with."""
 
-    def __init__(self, config: RouterConfig, admin_url: str, link: OwnerLink) -> None:
+    def __init__(
+        self, config: RouterConfig, admin_url: str, link: OwnerLink, upstream: Upstream
+    ) -> None:
         self.config = config
         self.admin_url = admin_url
         self.link = link
-        self.upstream = make_upstream(config)
+        self.upstream = upstream
         self.replicas = make_replicas(config, self.upstream)
         self.auth = Auth(config)
         self.intake = Intake(config.worker_parse_bytes)
@@ -175,35 +180,39 @@ class Worker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def close(self) -> None:
+    async def run(self, listen: socket.socket, stop: asyncio.Event) -> None:
+        """Serve the listening socket until `stop` (or the owner is gone), then let the
+        requests in flight finish."""
+        server = Server(self.handle, self.config.max_body_bytes)
+        await server.start(listen)
+        watch = asyncio.create_task(self.watch())
+        stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self.link.lost.wait())
+        await asyncio.wait([stopped, lost], return_when="FIRST_COMPLETED")
+        await server.stop(STOP_GRACE_S)
+        for task in (watch, stopped, lost):
+            task.cancel()
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         self.intake.close()
-        self.upstream.close()
 
 
 async def serve(listen_fd: int, link_fd: int) -> None:
-    link_sock = socket.socket(fileno=link_fd)
-    owner = OwnerLink(None)  # type: ignore[arg-type]  # the worker is known after HELLO
-    await connect(link_sock, owner.link)
+    """A worker process: configured by the owner's HELLO, stopped by SIGTERM/SIGINT."""
+    owner = OwnerLink(None)
+    await connect(socket.socket(fileno=link_fd), owner.link)  # type: ignore[arg-type]
     _, config_json, admin_url = await owner.hello
     config = RouterConfig.model_validate(json.loads(config_json))
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    worker = owner.worker = Worker(config, admin_url, owner)
-    server = Server(worker.handle, config.max_body_bytes)
-    await server.start(socket.socket(fileno=listen_fd))
+    upstream = make_upstream(config)
+    worker = owner.worker = Worker(config, admin_url, owner, upstream)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watch = asyncio.create_task(worker.watch())
-    lost = asyncio.create_task(owner.lost.wait())
-    await asyncio.wait([asyncio.create_task(stop.wait()), lost], return_when="FIRST_COMPLETED")
-    await server.stop(STOP_GRACE_S)
-    watch.cancel()
-    await worker.close()
+    await worker.run(socket.socket(fileno=listen_fd), stop)
+    upstream.close()
     owner.link.close()
 
 
