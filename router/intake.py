@@ -42,6 +42,7 @@ class Prepared:
     client_wants_usage: bool
     rid: str
     content: bytes  # the engine's body: program_id/agent removed, session_id (and rid) set
+    prompt_chars: int  # characters of text the engine's chat template will see
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,28 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         rid=rid,
         content=json.dumps(body, separators=(",", ":")).encode(),
+        prompt_chars=prompt_chars(body),
     )
+
+
+PROMPT_FIELDS = ("messages", "prompt", "system", "tools", "functions")
+
+
+def prompt_chars(body: dict[str, Any]) -> int:
+    """Characters of the text that becomes the prompt (every string under the prompt
+    fields, decoded): the token estimate before the engine's first usage report. The raw
+    body would count JSON escapes (a \\uXXXX is 6 bytes for one character) and fields
+    that never reach the prompt, and a request could be refused as too long for any GPU."""
+    total, stack = 0, [body.get(field) for field in PROMPT_FIELDS]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return total
 
 
 def _number(v: Any) -> bool:

@@ -86,7 +86,9 @@ class Relay:
             prepared = await w.intake.prepare(self.kind, raw, request_hints(headers, key))
             self.program_id = prepared.program_id
             forward = [(k.encode(), v.encode()) for k, v in forwarded_headers(headers).items()]
-            ticket = Ticket(prepared.program_id, len(raw), time.monotonic(), prepared.agent)
+            ticket = Ticket(
+                prepared.program_id, prepared.prompt_chars, time.monotonic(), prepared.agent
+            )
             await self._exchange(ticket, prepared, [JSON, *forward])
         except ApiError as e:
             self._error(e)

@@ -4,7 +4,8 @@ Grafana dashboard draws only series that a running router exports.
 
 No Docker engine is needed: `docker compose config` (or Debian's `docker-compose` 1.29) only
 reads the files, and the processes the demo stack runs (`mori emulate`, `mori serve`) are
-started here directly with the compose files' own arguments and environment.
+started here directly with the compose files' own arguments and environment. The same stack
+built and run in Docker: tests/test_deploy_stack.py (slow).
 """
 
 from __future__ import annotations
@@ -275,9 +276,29 @@ def test_dockerfile_copies_existing_paths(name: str) -> None:
                 assert (REPO / source).exists(), f"{name}: COPY {source} does not exist"
 
 
+def build_args(name: str) -> dict[str, str]:
+    """ARG NAME=default lines of a Dockerfile (the build arguments with a default)."""
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile(name), re.M))
+
+
+@pytest.mark.parametrize(("kind", "env"), CASES)
+def test_compose_build_args_are_the_dockerfiles(kind: str, env: str) -> None:
+    """Every image built by compose gets exactly its Dockerfile's arguments, and compose's
+    defaults are the Dockerfile's own (the public images, no wheelhouse)."""
+    for name, service in load_compose(kind, ENVS[env])["services"].items():
+        if "build" not in service:
+            continue
+        wanted = build_args(Path(service["build"]["dockerfile"]).name)
+        args = service["build"].get("args", {})
+        assert set(args) == set(wanted), f"{name}: build args {sorted(args)}, want {sorted(wanted)}"
+        if env == "defaults":
+            assert args == wanted, name
+
+
 def test_router_image_is_slim_non_root_and_checks_health() -> None:
     text = dockerfile("Dockerfile.router")
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert build_args("Dockerfile.router")["PYTHON_IMAGE"] == "python:3.11-slim"
+    assert text.rstrip().split("\nFROM ")[-1].startswith("${PYTHON_IMAGE}\n")  # the final stage
     assert re.search(r"^USER (?!root|0\b)\S+$", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
     assert re.search(r'^ENTRYPOINT \["mori"\]$', text, re.M)

@@ -125,9 +125,11 @@ def test_hint_endpoint_failures_do_not_stop_serving(status, result):
 
 
 def test_client_disconnect_while_gated():
+    """(The paper's policy, which holds the leaver behind an idle holder; the default
+    would move the holder off the GPU for it.)"""
     with emulator() as (url, _):
         spec = {"url": url, "gpu_tokens": 3000, "cpu_tokens": 0}
-        with router([spec], gate_timeout_s=30.0) as base:
+        with router([spec], gate_timeout_s=30.0, policy="mori-paper") as base:
             big = "word " * 1600
             client(base).chat.completions.create(**chat("holder", big))
             with pytest.raises(httpx.ReadTimeout):

@@ -140,8 +140,8 @@ class ContinuumPolicy(Policy):
             self._count_turns(p.steps)
         for table in (self.pins, self._tool, self._finished_at, self._unpinned_wait):
             table.pop(program_id, None)
-        moves = super().end(program_id, now, reason)
-        return moves + self._schedule(now) if moves else moves
+        # its room, or its place at the head of a queue, is free now
+        return super().end(program_id, now, reason) + self._schedule(now)
 
     def next_wakeup(self, now: float) -> float | None:
         """The next pin to expire, while requests wait for room (the shell ticks then)."""
