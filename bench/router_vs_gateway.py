@@ -55,10 +55,11 @@ BODY = {
 
 # --- load -------------------------------------------------------------------------------
 async def _load(base: str, streams: int, seconds: float, warmup: float, tag: str) -> list:
-    """Closed-loop streams on the thin client: [first-byte seconds, completed after the
-    warm-up, errors, completed in all]."""
+    """Closed-loop streams on the thin client: [first-chunk seconds, completed after the
+    warm-up, errors, completed in all, head seconds]."""
     client = Upstream(5.0, 30.0)
     firsts: list[float] = []
+    heads: list[float] = []
     done = errors = total = 0
     begin = time.perf_counter()
     record_from, stop_at = begin + warmup, begin + warmup + seconds
@@ -69,9 +70,8 @@ async def _load(base: str, streams: int, seconds: float, warmup: float, tag: str
         body = json.dumps({**BODY, "program_id": f"{tag}-{i}"}).encode()
         while (started := time.perf_counter()) < stop_at:
             try:
-                response = await client.request(
-                    base, b"POST", b"/v1/chat/completions", body, headers
-                )
+                response = await client.request(base, b"POST", PATH, body, headers)
+                head = time.perf_counter() - started
                 first = None
                 async for _ in response:
                     if first is None:
@@ -85,10 +85,11 @@ async def _load(base: str, streams: int, seconds: float, warmup: float, tag: str
             if started >= record_from:
                 done += 1
                 firsts.append(first or 0.0)
+                heads.append(head)
 
     await asyncio.gather(*(loop(i) for i in range(streams)))
     client.close()
-    return [firsts, done, errors, total]
+    return [firsts, done, errors, total, heads]
 
 
 def _load_process(args: tuple) -> list:
@@ -107,6 +108,7 @@ def run_load(base: str, streams: int, seconds: float, warmup: float, procs: int)
         with mp.get_context("spawn").Pool(procs) as pool:
             results = pool.map(_load_process, jobs)
     firsts = sorted(f for r in results for f in r[0])
+    heads = [h for r in results for h in r[4]]
     done = sum(r[1] for r in results)
     if not firsts:
         return {"rps": 0.0, "p50": float("nan"), "p99": float("nan"), "done": 0, "errors": 0,
@@ -115,6 +117,7 @@ def run_load(base: str, streams: int, seconds: float, warmup: float, procs: int)
         "done_all": sum(r[3] for r in results),
         "rps": done / seconds,
         "p50": 1000 * statistics.median(firsts),
+        "head50": 1000 * statistics.median(heads),
         "p99": 1000 * firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))],
         "done": done,
         "errors": sum(r[2] for r in results),
@@ -154,22 +157,27 @@ def server(argv: list[str], port: int, cpus: str | None, health: str = "/health"
         stop(proc)
 
 
-def targets(args: argparse.Namespace, stub: str, cpus: str | None, workers: int) -> dict:
-    """argv and port of each router under test."""
-    mori_port, gw_port = free_port(), free_port()
-    env_mori = [
-        *mori("serve", "--replicas", stub, "--port", str(mori_port), "--host", "127.0.0.1"),
-        "--log-level", "warning", "--set", f"workers={workers}",
-    ]  # fmt: skip
+def targets(args: argparse.Namespace, stub: str, workers: list[int]) -> dict:
+    """argv and port of each router under test: MORI with each worker count, the gateway."""
+    out = {}
+    for count in workers:
+        port = free_port()
+        argv = [
+            *mori("serve", "--replicas", stub, "--port", str(port), "--host", "127.0.0.1"),
+            "--log-level", "warning", "--set", f"workers={count}",
+        ]  # fmt: skip
+        out["mori" if count == workers[0] else f"mori-{count}w"] = (argv, port)
+    gw_port = free_port()
     gateway = [
         str(args.gateway_python), "-m", "sglang_router.launch_router", "--worker-urls", stub,
         "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(gw_port),
         "--prometheus-port", str(free_port()), "--log-level", "warn",
     ]  # fmt: skip
-    return {"mori": (env_mori, mori_port), "gateway": (gateway, gw_port)}
+    out["gateway"] = (gateway, gw_port)
+    return out
 
 
-def measure(args: argparse.Namespace, phases: list[tuple[int, int]], cpus: dict, workers: int):
+def measure(args: argparse.Namespace, phases: list[tuple[int, int]], cpus: dict, workers: list):
     """rows[(streams, target)] -> list of per-repetition results."""
     stub_port = free_port()
     stub = f"http://127.0.0.1:{stub_port}"
@@ -178,7 +186,7 @@ def measure(args: argparse.Namespace, phases: list[tuple[int, int]], cpus: dict,
     with contextlib.ExitStack() as stack:
         stack.enter_context(server(stub_argv, stub_port, cpus["stub"], "/health"))
         running = {"direct": (None, stub)}
-        for name, (argv, port) in targets(args, stub, cpus["router"], workers).items():
+        for name, (argv, port) in targets(args, stub, workers).items():
             proc = stack.enter_context(server(argv, port, cpus["router"]))
             running[name] = (proc, f"http://127.0.0.1:{port}")
         for rep in range(args.reps):
@@ -217,21 +225,20 @@ def median_of(results: list[dict], key: str) -> float:
 
 def report(rows: dict, title: str, console: Console) -> None:
     table = Table(title=title)
-    cols = ["streams", "target", "req/s", "first byte p50", "p99", "added p50", "added p99"]
-    for col in (*cols, "router CPU ms/req", "errors"):
+    cols = ["streams", "target", "req/s", "1st chunk p50", "p99", "added p50", "added p99"]
+    for col in (*cols, "added head p50", "router CPU ms/req", "errors"):
         table.add_column(col, justify="right")
     for streams in sorted({s for s, _ in rows}):
         direct = rows.get((streams, "direct"))
-        for name in ("direct", "mori", "gateway"):
-            results = rows.get((streams, name))
-            if not results:
-                continue
+        for name in dict.fromkeys(n for s, n in rows if s == streams):
+            results = rows[(streams, name)]
             p50, p99 = median_of(results, "p50"), median_of(results, "p99")
-            added = ("", "")
+            added = ("", "", "")
             if direct and name != "direct":
                 added = (
                     f"{p50 - median_of(direct, 'p50'):+.2f}",
                     f"{p99 - median_of(direct, 'p99'):+.2f}",
+                    f"{median_of(results, 'head50') - median_of(direct, 'head50'):+.2f}",
                 )
             cpu = f"{median_of(results, 'cpu_ms'):.3f}" if "cpu_ms" in results[0] else ""
             table.add_row(
@@ -239,17 +246,20 @@ def report(rows: dict, title: str, console: Console) -> None:
                 f"{p99:.2f}", *added, cpu, str(sum(r["errors"] for r in results)),
             )  # fmt: skip
     console.print(table)
-    for streams in sorted({s for s, _ in rows}):
-        m, g, d = (rows.get((streams, n)) for n in ("mori", "gateway", "direct"))
-        if not (m and g and d):
+    for (streams, name), m in rows.items():
+        g, d = rows.get((streams, "gateway")), rows.get((streams, "direct"))
+        if not name.startswith("mori") or not (g and d):
             continue
-        parts = [f"{streams} streams: MORI/gateway"]
+        parts = [f"{streams} streams: {name}/gateway"]
         if "cpu_ms" in m[0]:
             ratios = [a["cpu_ms"] / b["cpu_ms"] for a, b in zip(m, g, strict=True)]
             parts.append(f"CPU per request {statistics.median(ratios):.2f}x")
         added_m = median_of(m, "p50") - median_of(d, "p50")
         added_g = median_of(g, "p50") - median_of(d, "p50")
-        parts.append(f"added first byte p50 {added_m:+.2f} vs {added_g:+.2f} ms")
+        parts.append(f"added first chunk p50 {added_m:+.2f} vs {added_g:+.2f} ms")
+        head_m = median_of(m, "head50") - median_of(d, "head50")
+        head_g = median_of(g, "head50") - median_of(d, "head50")
+        parts.append(f"added head p50 {head_m:+.2f} vs {head_g:+.2f} ms")
         parts.append(f"req/s {median_of(m, 'rps') / max(1e-9, median_of(g, 'rps')):.2f}x")
         console.print(", ".join(parts))
 
@@ -282,13 +292,14 @@ def main() -> int:
     if not args.skip_pinned:
         phases = [(s, 1) for s in streams]
         cpus = {"stub": "0", "client": "0", "router": "1"}
-        rows = measure(args, phases, cpus, workers=1)
+        rows = measure(args, phases, cpus, workers=[1])
         report(rows, "pinned: client + stub on core 0, router on core 1 (MORI: 1 worker)", console)
     if not args.skip_all_cores:
         phases = [(max(streams), cores)]
         cpus = {"stub": None, "client": None, "router": None}
-        rows = measure(args, phases, cpus, workers=cores)
-        report(rows, f"all cores: nothing pinned, MORI with {cores} workers", console)
+        rows = measure(args, phases, cpus, workers=[cores, 1])
+        title = f"all cores: nothing pinned, MORI with {cores} workers (mori) and with 1"
+        report(rows, title, console)
     load = os.getloadavg()
     console.print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")
     return 0
