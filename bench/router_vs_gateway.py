@@ -193,10 +193,13 @@ def measure(args: argparse.Namespace, phases: list[tuple[int, int]], cpus: dict,
             for streams, procs in phases:
                 for name, (proc, base) in running.items():
                     before = tree_cpu(proc.pid) if proc else 0.0
+                    own_before = cpu_seconds(proc.pid) if proc else 0.0
                     result = _pinned_load(base, streams, args, procs, cpus["client"])
                     if proc:
                         used = tree_cpu(proc.pid) - before
                         result["cpu_ms"] = 1000 * used / max(1, result["done_all"])
+                        own = cpu_seconds(proc.pid) - own_before  # MORI: the policy owner
+                        result["owner_ms"] = 1000 * own / max(1, result["done_all"])
                     rows.setdefault((streams, name), []).append(result)
                     print(f"rep {rep + 1} {streams:>3} streams {name:>7}: {_brief(result)}")
     return rows
@@ -254,6 +257,7 @@ def report(rows: dict, title: str, console: Console) -> None:
         if "cpu_ms" in m[0]:
             ratios = [a["cpu_ms"] / b["cpu_ms"] for a, b in zip(m, g, strict=True)]
             parts.append(f"CPU per request {statistics.median(ratios):.2f}x")
+            parts.append(f"(owner process {median_of(m, 'owner_ms'):.3f} ms of it)")
         added_m = median_of(m, "p50") - median_of(d, "p50")
         added_g = median_of(g, "p50") - median_of(d, "p50")
         parts.append(f"added first chunk p50 {added_m:+.2f} vs {added_g:+.2f} ms")

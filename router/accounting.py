@@ -7,10 +7,10 @@ client did not ask for it, so clients see exactly the stream they requested.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from router import codec
 from router.policy.predictor import tool_key_of_calls
 
 
@@ -52,7 +52,7 @@ def _json_object(content: bytes) -> dict | None:
     """The answer body as a JSON object, or None: a garbled engine answer is relayed as is,
     it just carries no usage."""
     try:
-        doc = json.loads(content)
+        doc = codec.loads(content)
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
@@ -119,7 +119,7 @@ class OpenAIStream:
                 if not doc.get("choices"):
                     return b""
                 doc.pop("usage", None)
-                out = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+                out = b"data: " + codec.dumps(doc) + b"\n\n"
         self._tool_delta(doc)
         return out
 
@@ -219,7 +219,7 @@ def _sse_json(event: bytes) -> dict[str, Any] | None:
     if not data or data == b"[DONE]":
         return None
     try:
-        doc = json.loads(data)
+        doc = codec.loads(data)
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None

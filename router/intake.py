@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import multiprocessing
-import uuid
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from router import identity
+from router import codec, identity
 from router.errors import ApiError
 from router.sanitize import LabelError, check_label, header_text
 
@@ -99,7 +98,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = _DECODER.decode(raw.decode())
+        body = codec.loads(raw)
     except (ValueError, RecursionError):
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -121,14 +120,6 @@ def _shallow(doc: Any, limit: int) -> bool:
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
     return True
-
-
-def _reject_constant(name: str) -> Any:
-    """NaN and Infinity are not JSON; engines choke on them."""
-    raise ValueError(f"{name} is not valid JSON")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # one, not one per request
 
 
 def agent_role(field: Any, header: str | None) -> str | None:
@@ -160,7 +151,7 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         body["extra_body"].pop("program_id", None)
     agent = agent_role(body.pop("agent", None), hints.agent)
     rid = body.get("rid")
-    rid = _label(rid, "rid") if rid is not None else uuid.uuid4().hex
+    rid = _label(rid, "rid") if rid is not None else secrets.token_hex(16)
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     body["session_id"] = program_id
@@ -174,7 +165,7 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         stream=stream,
         client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         rid=rid,
-        content=json.dumps(body, separators=(",", ":")).encode(),
+        content=codec.dumps(body),
         prompt_chars=prompt_chars(body),
     )
 
