@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -39,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.router_overhead import StubEngine, cpu_seconds  # noqa: E402
+from bench.router_overhead import StubEngine, cpu_seconds, in_processes  # noqa: E402
 from router.upstream import Upstream  # noqa: E402
 from tests.servers import free_port, mori, stop  # noqa: E402
 
@@ -99,14 +98,7 @@ def _load_process(args: tuple) -> list:
 
 
 def run_load(base: str, streams: int, seconds: float, warmup: float, procs: int) -> dict:
-    procs = max(1, min(procs, streams))
-    shares = [streams // procs + (i < streams % procs) for i in range(procs)]
-    jobs = [(base, n, seconds, warmup, f"s{streams}p{i}") for i, n in enumerate(shares)]
-    if procs == 1:
-        results = [_load_process(jobs[0])]
-    else:
-        with mp.get_context("spawn").Pool(procs) as pool:
-            results = pool.map(_load_process, jobs)
+    results = in_processes(_load_process, base, streams, procs, seconds, warmup)
     firsts = sorted(f for r in results for f in r[0])
     heads = [h for r in results for h in r[4]]
     done = sum(r[1] for r in results)

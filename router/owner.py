@@ -25,26 +25,12 @@ from typing import Any
 
 import uvicorn
 
+from router import plane
 from router.api import create_app
 from router.config import RouterConfig
 from router.controller import Router
 from router.exchange import Exchange
-from router.plane import (
-    ATTEMPT,
-    CANCEL,
-    DRAINED,
-    ERROR,
-    GO,
-    HELLO,
-    REJOINED,
-    ROUTE,
-    SILENT,
-    Link,
-    LocalLink,
-    Outcome,
-    Ticket,
-    connect,
-)
+from router.plane import Link, LocalLink, Outcome, Ticket, connect
 
 log = logging.getLogger("mori.owner")
 
@@ -63,39 +49,39 @@ class WorkerLink:
 
     def tell(self, url: str, why: str | None) -> None:
         """A replica was drained (why) or rejoined (None)."""
-        self.link.send((REJOINED, url) if why is None else (DRAINED, url, why))
+        self.link.send((plane.REJOINED, url) if why is None else (plane.DRAINED, url, why))
 
     def on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == GO:
+        if kind == plane.GO:
             seq = message[1]
             task = asyncio.get_running_loop().create_task(self._serve(seq, message[2]))
             self._tasks[seq] = task
-        elif kind == ATTEMPT:
+        elif kind == plane.ATTEMPT:
             future = self._attempts.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(message[2])
-        elif kind == CANCEL:
+        elif kind == plane.CANCEL:
             task = self._tasks.get(message[1])
             if task is not None:
                 task.cancel()
-        elif kind == SILENT:
+        elif kind == plane.SILENT:
             self.router.on_silent(message[1])
 
     async def _serve(self, seq: int, ticket: Ticket) -> None:
         exchange = Exchange(self.router, ticket, functools.partial(self._forward, seq))
         try:
             error = await exchange.run()
-        except asyncio.CancelledError:  # the client left (CANCEL) or the worker is gone
+        except asyncio.CancelledError:  # the client left (plane.CANCEL) or the worker is gone
             return
         finally:
             self._tasks.pop(seq, None)
         if error is not None:
-            self.link.send((ERROR, seq, error))
+            self.link.send((plane.ERROR, seq, error))
 
     async def _forward(self, seq: int, url: str) -> Outcome:
         future = self._attempts[seq] = asyncio.get_running_loop().create_future()
-        self.link.send((ROUTE, seq, url))
+        self.link.send((plane.ROUTE, seq, url))
         try:
             return await future
         finally:
@@ -131,7 +117,7 @@ class Workers:
         theirs.close()
         link = WorkerLink(self.router, self._lost)
         await connect(ours, link.link)
-        link.link.send((HELLO, self.config.model_dump_json(), self.admin_url))
+        link.link.send((plane.HELLO, self.config.model_dump_json(), self.admin_url))
         self.procs[link] = proc
 
     def _tell(self, url: str, why: str | None) -> None:
