@@ -226,12 +226,23 @@ class Connection(asyncio.Protocol):
             self._next()
 
     def _refuse(self, status: int, message: str) -> None:
-        """Malformed input: a JSON error (unless an answer is under way), then close."""
-        if self.active is None and not self.closed and self.transport is not None:
+        """Malformed input: answered with a JSON error, then the connection is closed.
+        Bad bytes after a complete request (a body longer than declared, a broken
+        pipelined request) wait for that request's answer; bad bytes inside a request's
+        head or body end its handler and are its answer."""
+        self._pause_reading()
+        self.queue.clear()
+        active = self.active
+        if active is not None and active.complete:
+            self.close_after = True
+            return
+        if active is not None and self.task is not None:
+            active.gone = True  # its handler ends quietly; this is its answer
+            self.task.cancel()
+        if not self.started and not self.closed and self.transport is not None:
             body = error_body(status, message, code="malformed_http")
-            head, _ = _head(
-                status, [(b"content-type", b"application/json")], False, True, len(body)
-            )
+            headers = [(b"content-type", b"application/json")]
+            head, _ = _head(status, headers, False, True, len(body))
             self.transport.write(head + body)
         self.close()
 
