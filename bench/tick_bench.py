@@ -27,6 +27,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -47,10 +48,12 @@ def _tool_s(rng: random.Random) -> float:
     return rng.choice((0.2, 0.5, 1.0, 3.0)) if rng.random() < 0.8 else rng.uniform(10, 300)
 
 
-def build(name: str, programs: int, replicas: int, seed: int) -> tuple[Policy, random.Random]:
+def build(
+    name: str, programs: int, replicas: int, seed: int, knobs: dict | None = None
+) -> tuple[Policy, random.Random]:
     """Every program runs 1-4 cycles on roomy replicas, then budgets shrink to pressure."""
     rng = random.Random(seed)
-    policy = make_policy(name, PolicyConfig(lease_s=3600.0))
+    policy = make_policy(name, PolicyConfig(**{"lease_s": 3600.0, **(knobs or {})}))
     names = [f"r{i}" for i in range(replicas)]
     for r in names:
         policy.add_replica(r, ReplicaCapacity(2**40, 2**40))
@@ -98,12 +101,12 @@ def churn(policy: Policy, rng: random.Random, start: float, events: int) -> tupl
 
 
 def measure(
-    name: str, programs: int, replicas: int, ticks: int, seed: int
+    name: str, programs: int, replicas: int, ticks: int, seed: int, knobs: dict | None = None
 ) -> tuple[list[float], list[float]]:
     """Per tick: wall and CPU (this thread) milliseconds, moves, held requests; plus the
     mean CPU microseconds of one request/response event. On a shared machine the CPU time
     is what the tick itself costs; the wall time adds whatever else ran."""
-    policy, rng = build(name, programs, replicas, seed)
+    policy, rng = build(name, programs, replicas, seed, knobs)
     tick_s = policy.config.tick_s
     wall, cpu, moves, held, event_ms, events = [], [], 0, 0, 0.0, 0
     for i in range(ticks):
@@ -143,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=["mori", "ta", "smg"])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--write", type=Path, help="append the table to this markdown file")
+    parser.add_argument(
+        "--set", dest="settings", nargs="*", default=[], metavar="KNOB=VALUE",
+        help="policy knobs, e.g. displace_margin=1000000 (no move pays: requests stay held)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    knobs = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.settings)}
 
     table = Table(title=f"tick cost, {args.replicas} replicas (target MORI <= {TARGET_MS} ms)")
     load = os.getloadavg()[0]
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.policies:
         for n in args.programs:
             wall, cpu, moves, held, event_us = measure(
-                name, n, args.replicas, args.ticks, args.seed
+                name, n, args.replicas, args.ticks, args.seed, knobs
             )
             stats = (percentile(wall, 0.5), percentile(wall, 0.99))
             stats += (percentile(cpu, 0.5), percentile(cpu, 0.99), statistics.fmean(cpu), event_us)

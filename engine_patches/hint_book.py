@@ -6,7 +6,7 @@ Pure state: the scheduler applies a batch and gets back which programs changed t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from router.policy.types import Hint
@@ -82,3 +82,21 @@ class HintBook:
         changed = {p: h for p, h in target.items() if self.types.get(p) is not h}
         self.types.update(changed)
         return Applied(stale=False, changed=changed)
+
+    def request_type(self, program: str, hint: Hint, epoch: int) -> bool:
+        """A type carried on a request (`kv_hints`): taken unless a batch with a higher epoch
+        already came; True when it changed the program's type."""
+        if epoch < self.epoch or self.types.get(program) is hint:
+            return False
+        self.types[program] = hint
+        return True
+
+    def forget_ended(self, holds: Callable[[str], bool]) -> list[str]:
+        """Drop inactive programs that hold no KV any more (ended, evicted): the book then
+        stays as large as what the engine holds, not as every program it was ever told of.
+        A forgotten program that comes back counts as unhinted (busy) until the next hint.
+        Returns the programs forgotten (their other per-program state goes with them)."""
+        gone = [p for p, h in self.types.items() if h is Hint.INACTIVE and not holds(p)]
+        for program in gone:
+            del self.types[program]
+        return gone

@@ -1,10 +1,13 @@
 """`mori-sglang` / `python -m engine_patches.launch`: start SGLang with the MORI engine patch.
 
 Checks the SGLang version and that every hook target exists (exit 2 with a clear message if
-not), turns on what MORI needs (HiCache with write_through, the "mori" eviction policy, the
-plugin), and passes every other flag through to `sglang.launch_server` unchanged:
+not), turns on what MORI needs (HiCache with write_through, the "mori" eviction policy, cache
+reports, the plugin), and passes every other flag through to `sglang.launch_server` unchanged:
 
     mori-sglang --model-path Qwen/Qwen3-8B --hicache-ratio 2 --port 30000
+
+A configuration the patch cannot hint (a model or flags that take another cache) stops the
+server at start with one line naming the reason (engine_patches/sglang_common.STRICT_ENV).
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from engine_patches.plugin import SUPPORTED
+from engine_patches.plugin import STRICT_ENV, SUPPORTED, module_for, sglang_version, unresolved
 
 # flag -> value MORI needs (None: a switch). A conflicting user value is an error.
 REQUIRED = {
     "--enable-hierarchical-cache": None,
+    "--enable-cache-report": None,  # cached_tokens in usage: the router counts hits from it
     "--hicache-write-policy": "write_through",
     "--radix-eviction-policy": "mori",
 }
@@ -32,17 +36,20 @@ class LaunchError(RuntimeError):
 
 def check_sglang() -> None:
     try:
-        version = importlib.metadata.version("sglang")
+        version = sglang_version()
     except importlib.metadata.PackageNotFoundError:
         raise LaunchError(
-            f"sglang is not installed: pip install sglang=={SUPPORTED} "
-            "(CPU: scripts/install_sglang_cpu.sh)"
+            f"sglang is not installed here: pip install sglang=={SUPPORTED[-1]}; on a CPU "
+            "machine, from this checkout: scripts/install_sglang_cpu.sh && "
+            "SGLANG_USE_CPU_ENGINE=1 $(scripts/install_sglang_cpu.sh --print-venv)/bin/python "
+            "-m engine_patches.launch --device cpu ARGS"
         ) from None
-    if version != SUPPORTED:
-        raise LaunchError(f"MORI's engine patch targets sglang=={SUPPORTED}, found {version}")
-    from engine_patches import sglang_0_5_17
-
-    missing = sglang_0_5_17.missing_targets()
+    module = module_for(version)
+    if module is None:
+        raise LaunchError(
+            f"MORI's engine patch supports sglang {' and '.join(SUPPORTED)}, found {version}"
+        )
+    missing = unresolved(module.HOOK_TARGETS)
     if missing:
         raise LaunchError("sglang lacks hook targets the patch needs: " + ", ".join(missing))
     names = [e.name for e in importlib.metadata.entry_points(group="sglang.srt.plugins")]
@@ -93,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mori-sglang: error: {exc}", file=sys.stderr)
         return 2
     os.environ.update(plugin_env(dict(os.environ)))
+    os.environ.update(module_for(sglang_version()).LAUNCH_ENV)
+    os.environ[STRICT_ENV] = "1"  # inherited by the scheduler processes
     sys.argv = ["sglang.launch_server", *full]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
     return 0

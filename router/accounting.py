@@ -1,17 +1,37 @@
-"""What a response tells the router: token usage and the tool calls it ends in.
+"""What a response tells the router: token usage, prompt-cache hits, the tool calls it ends in.
 
 OpenAI and Anthropic answers (streamed or not) are read here. The stream filter also
-drops the usage chunk the router forced (`stream_options.include_usage`) when the
-client did not ask for it, so clients see exactly the stream they requested.
+drops what the router forced when the client did not ask for it (the usage chunk of
+`stream_options.include_usage`, SGLang's `sglext` cache-details chunk), so clients see
+exactly the stream they requested.
+
+Prompt-cache hits, as SGLang (0.5.17 and 0.5.23 alike) reports them:
+- `usage.prompt_tokens_details.cached_tokens`: all cached prompt tokens, sent only when the
+  server runs with `--enable-cache-report` (`mori-sglang` turns it on) and the count is > 0;
+- the device/host split, only when the request sets `return_cached_tokens_details: true`
+  (CACHE_DETAILS_FLAG) and some prompt token was cached: at the top level of a plain
+  answer, or in a stream as its own chunk `{"choices": [], "sglext": {"cached_tokens_details":
+  {"device": D, "host": H}}}` just before the usage chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from router import codec
 from router.policy.predictor import tool_key_of_calls
+
+# Request field that makes SGLang report its device/host split of cached prompt tokens.
+CACHE_DETAILS_FLAG = "return_cached_tokens_details"
+
+
+class CacheHits(NamedTuple):
+    """Where one call's prompt tokens came from: device KV, host KV (loaded back), computed."""
+
+    device: int
+    host: int
+    miss: int
 
 
 @dataclass
@@ -21,12 +41,28 @@ class Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     tool: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    cached_device: int | None = None  # sglext.cached_tokens_details (sent only on a hit)
+    cached_host: int | None = None
 
     @property
     def context_tokens(self) -> int | None:
         if self.prompt_tokens is None:
             return None
         return self.prompt_tokens + (self.completion_tokens or 0)
+
+    def hits(self) -> CacheHits | None:
+        """The call's device/host/miss split, or None when the engine reported no usage.
+        SGLang leaves out every cache figure when nothing was cached (and, without
+        --enable-cache-report, always: `mori-sglang` turns it on), so no figures is an
+        all-miss; a cached count without a split (an engine with one tier) is device hits."""
+        if self.prompt_tokens is None:
+            return None
+        if self.cached_device is not None:
+            device, host = self.cached_device, self.cached_host or 0
+        else:
+            device, host = self.cached_tokens or 0, 0
+        return CacheHits(device, host, max(self.prompt_tokens - device - host, 0))
 
 
 def tool_key(calls: list[Any]) -> str | None:
@@ -42,10 +78,28 @@ def _int(value: Any) -> int | None:
 
 # --- OpenAI ---------------------------------------------------------------------------
 def openai_usage(doc: dict[str, Any], usage: Usage) -> None:
+    """Fold one answer (or stream chunk) into `usage`: token counts and cache hits."""
     u = doc.get("usage")
     if isinstance(u, dict):
         usage.prompt_tokens = _int(u.get("prompt_tokens"))
         usage.completion_tokens = _int(u.get("completion_tokens"))
+        details = u.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            usage.cached_tokens = _int(details.get("cached_tokens"))
+    ext = doc.get("sglext")
+    split = ext.get("cached_tokens_details") if isinstance(ext, dict) else None
+    if isinstance(split, dict):
+        usage.cached_device = _int(split.get("device")) or 0
+        usage.cached_host = _int(split.get("host")) or 0
+
+
+def without_sglext(content: bytes) -> bytes:
+    """A plain answer without the `sglext` cache details the router asked for itself."""
+    doc = _json_object(content) if b'"sglext"' in content else None
+    if doc is None or "sglext" not in doc:
+        return content
+    doc.pop("sglext")
+    return codec.dumps(doc)
 
 
 def _json_object(content: bytes) -> dict | None:
@@ -76,10 +130,12 @@ def openai_body(content: bytes) -> Usage:
 
 class OpenAIStream:
     """Reads an OpenAI SSE stream event by event, passing bytes through unchanged except
-    the forced usage chunk (dropped, or its `usage` removed, unless the client asked)."""
+    the forced usage and cache-details chunks (dropped, or the forced field removed from a
+    chunk that also carries choices, unless the client asked)."""
 
-    def __init__(self, client_wants_usage: bool) -> None:
+    def __init__(self, client_wants_usage: bool, client_wants_details: bool = True) -> None:
         self.client_wants_usage = client_wants_usage
+        self.client_wants_details = client_wants_details
         self.usage = Usage()
         self._buffer = b""
         self._names: dict[int, str] = {}  # tool call index -> function name
@@ -108,17 +164,21 @@ class OpenAIStream:
     def _event(self, event: bytes) -> bytes:
         out = event + b"\n\n"
         has_usage = b'"usage"' in event and b'"usage":null' not in event.replace(b" ", b"")
-        if not has_usage and b'"tool_calls"' not in event:
+        has_ext = b'"sglext"' in event
+        if not has_usage and not has_ext and b'"tool_calls"' not in event:
             return out
         doc = _sse_json(event)
         if doc is None:
             return out
-        if has_usage:
+        if has_usage or has_ext:
             openai_usage(doc, self.usage)
-            if not self.client_wants_usage:
+            wanted = {"usage": self.client_wants_usage, "sglext": self.client_wants_details}
+            forced = [k for k, want in wanted.items() if doc.get(k) is not None and not want]
+            if forced:
                 if not doc.get("choices"):
                     return b""
-                doc.pop("usage", None)
+                for key in forced:
+                    doc.pop(key)
                 out = b"data: " + codec.dumps(doc) + b"\n\n"
         self._tool_delta(doc)
         return out

@@ -19,6 +19,20 @@ from router.policy.base import PolicyConfig
 from router.sim.presets import PRESETS
 
 ENV_PREFIX = "MORI_"
+# Timers given in trace seconds: `time_scale` divides them (and the KV copy time), so a
+# router in front of engines or a replay running X times faster than real time keeps pace.
+SCALED_TIMERS = (
+    "tick_s",
+    "hint_sync_s",
+    "lease_s",
+    "gate_timeout_s",
+    "reconcile_s",
+    "hint_ack_timeout_s",
+    "aging_s",
+    "predict_lead_s",
+    "predict_grace_s",
+    "prefill_s_per_token",  # a price in seconds, like the KV copy time
+)
 _DEFAULT_PRESET = PRESETS["h100-8b"]  # H100 + Llama-3.1-8B: the replicas MORI was built for
 _POLICY = PolicyConfig()
 
@@ -75,7 +89,9 @@ class RouterConfig(BaseModel):
     pcie_gbps: float = Field(default=_DEFAULT_PRESET.pcie_bytes_s / 1e9, gt=0)  # GB/s, one way
     gate_timeout_s: float = Field(default=300.0, gt=0)
     hint_sync_s: float = Field(default=30.0, gt=0)
+    hint_ack_timeout_s: float = Field(default=1.0, ge=0)  # a promoted request waits for its hint
     capacity_refresh_s: float = Field(default=60.0, gt=0)
+    reconcile_s: float = Field(default=30.0, gt=0)  # tiers checked against /mori/residency
     host_ratio: float = Field(default=2.0, ge=0)  # host tier = ratio x GPU when unreported
     health_interval_s: float = Field(default=5.0, gt=0)
     health_timeout_s: float = Field(default=5.0, gt=0)
@@ -93,11 +109,13 @@ class RouterConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list)
     admin_key: str | None = None
     log_level: str = "info"
+    time_scale: float = Field(default=1.0, gt=0)  # divides SCALED_TIMERS (set at load)
 
     @property
     def load_s_per_token(self) -> float:
-        """Seconds to copy one token's KV one way over PCIe (as the simulator's preset)."""
-        return self.kv_bytes_per_token / (self.pcie_gbps * 1e9)
+        """Wall seconds to copy one token's KV one way over PCIe (as the simulator's preset,
+        divided by the time scale)."""
+        return self.kv_bytes_per_token / (self.pcie_gbps * 1e9) / self.time_scale
 
     def policy_config(self) -> PolicyConfig:
         """Every PolicyConfig knob, from the field of the same name (load_s_per_token is
@@ -122,6 +140,15 @@ class RouterConfig(BaseModel):
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
+
+    @model_validator(mode="after")
+    def _scale_timers(self) -> RouterConfig:
+        """The timers were given in trace seconds; from here on they are wall seconds."""
+        for name in SCALED_TIMERS if self.time_scale != 1 else ():
+            value = getattr(self, name)
+            if value is not None:  # aging_s None: the policy's default, scaled there
+                setattr(self, name, value / self.time_scale)
+        return self
 
     @model_validator(mode="after")
     def _distinct_replicas(self) -> RouterConfig:

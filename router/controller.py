@@ -12,16 +12,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
+from router.agent_identity import AnchorBook
 from router.config import RouterConfig
 from router.engines import HintsUnsupported, Replica, make_replicas, make_upstream
 from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.outliers import Outliers
 from router.policy import Policy, make_policy
-from router.policy.types import Hint, Move, ReplicaCapacity
+from router.policy.runtime import AgentEvent, EventKind, PushScores, Warm
+from router.policy.types import Hint, Move, ReplicaCapacity, Tier
+from router.reconcile import parse_residency, reconcile
 from router.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from router.plane import Ticket
+
+WARM_PREFIX = "mori-warm/"  # program ids of CacheSage warm-up requests
 
 log = logging.getLogger("mori.router")
 
@@ -52,10 +61,23 @@ class Router:
         self.in_flight = 0
         self._chars_per_token: dict[str, float] = {}
         self._hints_dirty = asyncio.Event()
+        # Busy-hint acknowledgement: hint push rounds started / finished, and the round each
+        # freshly promoted program waits for before its request is forwarded.
+        self._rounds_started = self._rounds_done = 0
+        self._rounds = asyncio.Condition()
+        self._ack_round: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._probes: dict[str, asyncio.Future[bool]] = {}  # health probe in flight per replica
         self._next_wakeup = getattr(self.policy, "next_wakeup", None)  # predictive only
+        # agent runtime layer (CacheSage): events in, actions out; None for other policies
+        self._observe = getattr(self.policy, "observe", None)
+        self._actions = getattr(self.policy, "runtime_actions", None)
+        self.anchors = AnchorBook()
+        self._scores: dict[str, dict] = {}  # replica -> latest survival scores to push
+        self._agents: dict[str, dict[str, str]] = {}  # replica -> program agents to push
+        self._warming: set[str] = set()  # replicas with a warm-up in flight
+        self._fresh_scores: set[str] = set()  # replicas whose scores changed since a push
         self._wakeup: asyncio.TimerHandle | None = None  # the policy's next extra tick
         self._wakeup_at = float("inf")
 
@@ -77,10 +99,11 @@ class Router:
                 self.apply(self.policy.set_healthy(replica.url, False, now))
             else:
                 self.policy.add_replica(replica.url, result)
-        self.metrics.refresh_tiers(self.policy)
         loops = [self._tick_loop, self._capacity_loop, self._health_loop]
         if self.policy.sends_hints:
-            loops.append(self._hint_loop)
+            await self.reconcile()  # before the first full sync: adopt what the engines hold
+            loops += [self._hint_loop, self._reconcile_loop]
+        self.metrics.refresh_tiers(self.policy)
         self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
@@ -111,8 +134,68 @@ class Router:
             self.metrics.record_moves(moves)
             if self.policy.sends_hints:
                 self._hints_dirty.set()
+                for m in moves:
+                    if m.to_gpu and m.src.tier is Tier.CPU:  # its busy hint loads KV back
+                        self._ack_round[m.program_id] = self._rounds_started + 1
         self.gate.wake_all()
         self._schedule_wakeup()
+        if self._actions is not None:
+            self._carry_out(self._actions(self.clock()))
+
+    # agent runtime layer ------------------------------------------------------------------
+    @property
+    def wants_anchors(self) -> bool:
+        """Whether requests' anchors must reach the owner (a runtime-layer policy warms
+        them); the workers leave them out of the ticket otherwise."""
+        return self._observe is not None
+
+    def observe_request(self, ticket: Ticket) -> None:
+        """Tell a runtime-layer policy who is asking (before `on_request`)."""
+        if self._observe is None:
+            return
+        if ticket.agent and ticket.anchor is not None:
+            self.anchors.remember(ticket.agent, ticket.anchor)
+        tokens = ticket.anchor.tokens if ticket.anchor is not None else 0
+        event = AgentEvent(
+            EventKind.REQUEST, self.clock(), ticket.program_id, ticket.agent, None, tokens
+        )
+        self._observe(event if ticket.parent is None else replace(event, parent=ticket.parent))
+
+    def _carry_out(self, actions: list) -> None:
+        """Scores ride with the next hint push; a warm-up goes out when no request waits at
+        the gate and the replica has none in flight (it never delays a waiting request)."""
+        for action in actions:
+            if isinstance(action, PushScores):
+                self._scores[action.replica] = dict(action.scores)
+                self._fresh_scores.add(action.replica)
+                self._agents.setdefault(action.replica, {}).update(action.agents)
+                self._hints_dirty.set()
+            elif isinstance(action, Warm) and action.replica in self.replicas:
+                anchor = self.anchors.get(action.agent)
+                if anchor is None or self.gate.waiting or action.replica in self._warming:
+                    continue
+                self._warming.add(action.replica)
+                self.spawn(self._warm(self.replicas[action.replica], action.agent, anchor))
+
+    async def _warm(self, replica: Replica, agent: str, anchor) -> None:
+        """Send the anchor with a one-character question and one output token (CacheSage
+        §3.4); then type the warm-up program inactive so it never ranks the anchor busy."""
+        program_id = WARM_PREFIX + agent
+        body = {"model": "default", **anchor.warm_body(program_id)}
+        try:
+            timeout_s = self.config.health_timeout_s * 4
+            status, _ = await self.upstream.call_json(
+                replica.url, b"POST", b"/v1/chat/completions", body, timeout_s
+            )
+            outcome = "ok" if status == 200 else f"http_{status}"
+            if status == 200 and replica.hints_supported:
+                self.epoch = max(self.epoch + 1, int(time.time() * 1000))
+                await replica.push_hints(self.epoch, {program_id: Hint.INACTIVE}, False)
+        except (UpstreamError, ValueError, HintsUnsupported) as e:
+            outcome = type(e).__name__
+        finally:
+            self._warming.discard(replica.url)
+        self.metrics.warmups.labels(replica.url, outcome).inc()
 
     def _schedule_wakeup(self) -> None:
         """Predictive policies need ticks between periods (`next_wakeup`, e.g. a load-back
@@ -282,6 +365,34 @@ class Router:
         self.drain(replica, f"{why}; health probe failed", reason)
         return True
 
+    # residency -------------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        await self._every(self.config.reconcile_s, self.reconcile)
+
+    async def reconcile(self) -> None:
+        """Check the tiers against every healthy replica's `/mori/residency`
+        (router/reconcile.py); a replica that does not answer is left out this time."""
+        urls = [u for u in self.replicas if self.policy.tiers.healthy.get(u)]
+        docs = await asyncio.gather(
+            *(self.replicas[u].fetch_residency() for u in urls), return_exceptions=True
+        )
+        views = {
+            url: parse_residency(url, doc)
+            for url, doc in zip(urls, docs, strict=True)
+            if not isinstance(doc, BaseException)
+        }
+        outcome = reconcile(self.policy, views, self.clock())
+        if outcome.adopted or outcome.lost:
+            log.warning(
+                "residency: adopted %d programs the engines hold, %d CPU-tier programs "
+                "lost their host copy",
+                len(outcome.adopted),
+                len(outcome.lost),
+            )
+            self.metrics.reconciled.labels("adopted").inc(len(outcome.adopted))
+            self.metrics.reconciled.labels("lost").inc(len(outcome.lost))
+            self.metrics.refresh_tiers(self.policy)
+
     # hints ---------------------------------------------------------------------------
     async def _hint_loop(self) -> None:
         """Push changed hints right after moves; a full sync every `hint_sync_s` repairs drift."""
@@ -299,25 +410,65 @@ class Router:
             except Exception:
                 log.exception("hint push failed")
 
+    async def hint_acked(self, program_id: str) -> None:
+        """Wait until the hint push that carries `program_id`'s promotion (its `busy` hint)
+        has been answered, so the engine loads its KV back before the request arrives
+        rather than racing it; bounded by `hint_ack_timeout_s` (a slow engine delays the
+        hint, never the request, for longer)."""
+        needed = self._ack_round.pop(program_id, None)
+        if needed is None or self._rounds_done >= needed:
+            return
+        started = self.clock()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.hint_ack_timeout_s), self._rounds:
+                await self._rounds.wait_for(lambda: self._rounds_done >= needed)
+        self.metrics.hint_ack_wait.observe(self.clock() - started)
+
     async def sync_hints(self, full: bool) -> None:
+        self._rounds_started += 1
+        round_no = self._rounds_started
+        try:
+            await self._sync_hints(full)
+        finally:
+            async with self._rounds:
+                self._rounds_done = max(self._rounds_done, round_no)
+                self._rounds.notify_all()
+
+    async def _sync_hints(self, full: bool) -> None:
         self._hints_dirty.clear()
         batches = self.policy.hints() if full else self.policy.hint_updates()
         if full:
             self.policy.hint_updates()  # the full batch supersedes pending deltas
+        extras = self._score_extras(full)
         # Epochs start from the wall clock, so a restarted router is never taken as stale.
         self.epoch = max(self.epoch + 1, int(time.time() * 1000))
         jobs = [
-            self._push(self.replicas[url], hints, full)
-            for url, hints in batches.items()
-            if url in self.replicas and (hints or full) and self.policy.tiers.healthy[url]
+            self._push(self.replicas[url], batches.get(url, {}), full, extras.get(url))
+            for url in batches.keys() | extras.keys()
+            if url in self.replicas
+            and (batches.get(url) or full or extras.get(url))
+            and self.policy.tiers.healthy[url]
         ]
         await asyncio.gather(*jobs)
 
-    async def _push(self, replica: Replica, hints: dict[str, Hint], full: bool) -> None:
+    def _score_extras(self, full: bool) -> dict[str, dict]:
+        """CacheSage's fields per replica: the latest scores (again at a full sync) and the
+        program agents not sent yet."""
+        out: dict[str, dict] = {}
+        for url, scores in self._scores.items():
+            agents = self._agents.pop(url, {})
+            if full or agents or url in self._fresh_scores:
+                out[url] = {"scores": scores, "agents": agents}
+        self._fresh_scores = set()
+        return out
+
+    async def _push(
+        self, replica: Replica, hints: dict[str, Hint], full: bool, extra: dict | None = None
+    ) -> None:
         if not replica.hints_supported and not full:
             return
         try:
-            await replica.push_hints(self.epoch, hints, full)
+            await replica.push_hints(self.epoch, hints, full, extra)
         except HintsUnsupported:
             if replica.hints_supported:
                 log.warning("replica %s has no /mori/hints: serving without hints", replica.url)

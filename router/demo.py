@@ -36,8 +36,6 @@ from router.replay.trace import TraceError, TraceProgram, load_trace
 REPO = Path(__file__).resolve().parents[1]
 TRACE_CANDIDATES = ("traces/generated-claude-code-32k.jsonl", "traces/generated-claude-code.jsonl")
 FALLBACK_TRACE = ("traces/claude-code-sample.jsonl", 0.05)  # Claude-sized contexts: scale down
-# Router timers in trace seconds (divided by the time scale for the live router).
-ROUTER_TIMERS_S = {"tick_s": 5.0, "hint_sync_s": 30.0, "lease_s": 900.0}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -178,7 +176,7 @@ def start_stack(args: argparse.Namespace, policy: str, stack: Stack) -> str:
         urls.append(f"http://127.0.0.1:{port}")
         stack.start(f"replica{i}", argv, urls[-1])
     port = free_port()
-    env = {f"MORI_{k.upper()}": str(v / args.time_scale) for k, v in ROUTER_TIMERS_S.items()}
+    env = {"MORI_TIME_SCALE": str(args.time_scale)}  # the router's timers keep pace
     argv = [
         "serve",
         "--replicas",

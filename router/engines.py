@@ -1,8 +1,9 @@
 """The router's view of its engine replicas: one `Replica` each, all on one `Upstream`.
 
 Everything the policy owner asks a replica goes through here: capacity
-(`/get_server_info`), health, hint batches (`/mori/hints`); a data-plane worker forwards
-inference and sends aborts (`/abort_request`) on the same client.
+(`/get_server_info`), health, hint batches (`/mori/hints`), residency (`/mori/residency`);
+a data-plane worker forwards inference and sends aborts (`/abort_request`) on the same
+client.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ log = logging.getLogger("mori.engines")
 
 # Fields under which a server may report its host (DRAM) KV tier in tokens.
 HOST_TOKEN_FIELDS = ("max_host_num_tokens", "host_total_num_tokens", "hicache_host_tokens")
+
+
+# Answers to /mori/hints or /mori/residency from an engine without MORI's hint endpoints
+# (501: the plugin is loaded but the engine's configuration takes no hints).
+UNSUPPORTED = (404, 405, 501)
 
 
 class HintsUnsupported(Exception):
@@ -76,17 +82,32 @@ class Replica:
         return status == 200
 
     # hints -----------------------------------------------------------------------
-    async def push_hints(self, epoch: int, hints: dict[str, Hint], full: bool) -> None:
-        """POST one hint batch; raises HintsUnsupported on 404/405, UpstreamError or
-        ValueError otherwise."""
+    async def push_hints(
+        self, epoch: int, hints: dict[str, Hint], full: bool, extra: dict | None = None
+    ) -> None:
+        """POST one hint batch (with `extra` fields: CacheSage's `scores` and `agents`);
+        raises HintsUnsupported on 404/405/501, UpstreamError or ValueError otherwise."""
         payload = {"epoch": epoch, "full": full, "hints": {p: h.value for p, h in hints.items()}}
+        payload.update(extra or {})
         status, _ = await self.upstream.call_json(
             self.url, b"POST", b"/mori/hints", payload, self.health_timeout_s
         )
-        if status in (404, 405):
+        if status in UNSUPPORTED:
             raise HintsUnsupported(self.url)
         if status >= 400:
             raise ValueError(f"{self.url}/mori/hints answered {status}")
+
+    async def fetch_residency(self) -> Any:
+        """The decoded `/mori/residency` answer; raises HintsUnsupported without one,
+        UpstreamError or ValueError otherwise."""
+        status, doc = await self.upstream.call_json(
+            self.url, b"GET", b"/mori/residency", timeout_s=self.health_timeout_s
+        )
+        if status in UNSUPPORTED:
+            raise HintsUnsupported(self.url)
+        if status >= 400 or doc is None:
+            raise ValueError(f"{self.url}/mori/residency answered {status}")
+        return doc
 
 
 def _int_field(info: dict[str, Any], name: str) -> int | None:

@@ -80,6 +80,7 @@ class Exchange:
                 param="messages",
                 code="context_length_exceeded",
             )
+        r.observe_request(self.ticket)
         for _ in range(r.config.max_retries + 1):
             try:
                 moves = policy.on_request(pid, r.clock(), tokens)
@@ -90,6 +91,7 @@ class Exchange:
             self.replica = replica
             outcome = Outcome()
             try:
+                await r.hint_acked(pid)  # its busy hint (load-back) reaches the engine first
                 outcome = await self.forward(replica.url)
             finally:
                 self._book(replica, outcome)
@@ -108,6 +110,20 @@ class Exchange:
                 await r.confirm(replica, outcome.retry, "failed")
         raise ApiError(502, "no engine replica answered the request", code="upstream_unavailable")
 
+    def _price(self, replica: Replica, outcome: Outcome) -> None:
+        """Tell the policy what this step cost inside the engine (its prices follow the
+        replica's own timings): prompt and cache split from the usage, the worker's times
+        to the first streamed byte and after it. A plain answer's first byte is its last:
+        no sample."""
+        hits, step = outcome.usage.hits(), outcome.step
+        if hits is None or step is None:
+            return
+        usage = outcome.usage
+        self.router.policy.observe_step(
+            replica.url, usage.prompt_tokens or 0, hits.device, hits.host, step[0],
+            usage.completion_tokens or 0, step[1],
+        )  # fmt: skip
+
     async def _gated(self, deadline: float) -> str:
         """Wait for the program's replica; on any exit but success the request is cancelled."""
         r, pid = self.router, self.ticket.program_id
@@ -121,7 +137,7 @@ class Exchange:
         return url
 
     def _book(self, replica: Replica, outcome: Outcome) -> None:
-        """The attempt in the outlier books and the metrics."""
+        """The attempt in the outlier books, the metrics and the policy's prices."""
         r, usage = self.router, outcome.usage
         # one failure per request and replica: a request that fails on every retry
         # (it may be the cause) adds one to the streak, not max_retries + 1
@@ -142,3 +158,5 @@ class Exchange:
             r.learn_tokens(self.ticket.program_id, self.ticket.prompt_chars, usage.prompt_tokens)
         if usage.completion_tokens is not None:
             r.metrics.child(r.metrics.output_tokens, replica.url).inc(usage.completion_tokens)
+        r.metrics.record_hits(replica.url, usage)
+        self._price(replica, outcome)

@@ -23,6 +23,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from router import codec, identity
+from router.accounting import CACHE_DETAILS_FLAG
+from router.agent_identity import Anchor, anchor_of
 from router.errors import ApiError
 from router.sanitize import LabelError, check_label, header_text
 
@@ -39,9 +41,12 @@ class Prepared:
     agent: str | None
     stream: bool
     client_wants_usage: bool
+    client_wants_details: bool  # the client set return_cached_tokens_details itself
     rid: str
     content: bytes  # the engine's body: program_id/agent removed, session_id (and rid) set
     prompt_chars: int  # characters of text the engine's chat template will see
+    anchor: Anchor | None = None  # tools + leading system messages (agent identity, warm-ups)
+    parent: str | None = None  # the program this one works for (namespaced)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Hints:
     program_id: str | None = None
     agent: str | None = None
     namespace: str = ""
+    parent: str | None = None  # X-Parent-Id
 
 
 def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
@@ -58,9 +64,10 @@ def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
     try:
         program_id = header_text(headers, "x-program-id")
         agent = header_text(headers, "x-agent-role")
+        parent = header_text(headers, "x-parent-id")
     except LabelError as e:
         raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
-    return Hints(program_id or None, agent or None, identity.namespace(key))
+    return Hints(program_id or None, agent or None, identity.namespace(key), parent or None)
 
 
 # --- reading --------------------------------------------------------------------------
@@ -150,23 +157,31 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     if isinstance(body.get("extra_body"), dict):
         body["extra_body"].pop("program_id", None)
     agent = agent_role(body.pop("agent", None), hints.agent)
+    anchor = anchor_of(body)
+    parent = body.pop("parent_id", None)
+    parent = _label(parent, "parent_id") if parent is not None else hints.parent
     rid = body.get("rid")
     rid = _label(rid, "rid") if rid is not None else secrets.token_hex(16)
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
+    wants_details = bool(body.get(CACHE_DETAILS_FLAG))
     body["session_id"] = program_id
     if kind != "messages":
         body["rid"] = rid
+        body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
         if stream:
             body["stream_options"] = {**(options or {}), "include_usage": True}
     return Prepared(
         program_id=program_id,
-        agent=agent,
+        agent=agent or (anchor.agent if anchor else None),
         stream=stream,
         client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        client_wants_details=wants_details,
         rid=rid,
         content=codec.dumps(body),
         prompt_chars=prompt_chars(body),
+        anchor=anchor,
+        parent=hints.namespace + parent if parent else None,
     )
 
 

@@ -17,6 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from router.accounting import Usage
 from router.policy.base import Policy
 from router.policy.types import Move, Placement, Tier
 
@@ -27,6 +28,7 @@ FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
 # stalled: silent with requests in flight and the probe failed; health: `health_failures`
 # failed health checks in a row
 EJECTION_REASONS = ("connect", "failed", "failures", "stalled", "health")
+HIT_SOURCES = ("device", "host", "miss")
 
 
 class RouterMetrics:
@@ -56,9 +58,21 @@ class RouterMetrics:
             ["src_tier", "dst_tier", "reason"],
             registry=r,
         )
+        self.warmups = Counter(
+            "mori_warmups",
+            "CacheSage warm-up requests by replica and outcome",
+            ["replica", "outcome"],
+            registry=r,
+        )
         self.gate_wait = Histogram(
             "mori_gate_wait_seconds",
             "time a request was held by the gate",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.hint_ack_wait = Histogram(
+            "mori_hint_ack_wait_seconds",
+            "time a promoted request waited for its busy hint to be acknowledged",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -89,6 +103,12 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "mori_prompt_tokens", "prompt tokens served", ["replica"], registry=r
         )
+        self.prompt_cache_tokens = Counter(
+            "mori_prompt_cache_tokens",
+            "prompt tokens by where the engine found them",
+            ["replica", "source"],
+            registry=r,
+        )
         self.hint_pushes = Counter(
             "mori_hint_pushes", "hint batches pushed", ["replica", "result"], registry=r
         )
@@ -98,6 +118,14 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.reconciled = Counter(
+            "mori_reconciled_programs",
+            "programs whose tier was corrected from the engines' residency",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("adopted", "lost"):
+            self.reconciled.labels(kind)
         self.replica_healthy = Gauge(
             "mori_replica_healthy", "1 healthy, 0 drained", ["replica"], registry=r
         )
@@ -134,6 +162,15 @@ class RouterMetrics:
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
             family.labels(replica)
+        for source in HIT_SOURCES:
+            self.prompt_cache_tokens.labels(replica, source)
+        self.warmups.labels(replica, "ok")
+
+    def record_hits(self, replica: str, usage: Usage) -> None:
+        """Count one call's prompt tokens by where the engine found them."""
+        hits = usage.hits()
+        for source, tokens in hits._asdict().items() if hits else ():
+            self.child(self.prompt_cache_tokens, replica, source).inc(tokens)
 
     def record_moves(self, moves: list[Move]) -> None:
         for m in moves:

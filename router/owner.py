@@ -117,7 +117,8 @@ class Workers:
         theirs.close()
         link = WorkerLink(self.router, self._lost)
         await connect(ours, link.link)
-        link.link.send((plane.HELLO, self.config.model_dump_json(), self.admin_url))
+        # the config object as is: validating a dump again would scale its timers twice
+        link.link.send((plane.HELLO, self.config, self.admin_url, self.router.wants_anchors))
         self.procs[link] = proc
 
     def _tell(self, url: str, why: str | None) -> None:
@@ -236,6 +237,8 @@ async def _in_process_worker(
     owner_end = WorkerLink(router, lambda _: None, to_worker)
     worker_end = OwnerLink(None, to_owner)
     to_worker.deliver, to_owner.deliver = worker_end.on_message, owner_end.on_message
-    worker = worker_end.worker = Worker(config, admin_url, worker_end, router.upstream)
+    worker = worker_end.worker = Worker(
+        config, admin_url, worker_end, router.upstream, router.wants_anchors
+    )
     router.listeners.append(owner_end.tell)
     await worker.run(listen, stop)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.accounting import Usage
+from router.agent_identity import Anchor
 
 # worker -> owner
 GO = 1  # (GO, seq, Ticket): a request wants a replica
@@ -27,7 +28,7 @@ ATTEMPT = 2  # (ATTEMPT, seq, Outcome): how the last routed attempt went
 CANCEL = 3  # (CANCEL, seq): the client left while the request waited for a replica
 SILENT = 4  # (SILENT, url): the worker's requests on the replica have been silent stall_s
 # owner -> worker
-HELLO = 10  # (HELLO, config_json, admin_url): what the worker serves with
+HELLO = 10  # (HELLO, RouterConfig, admin_url, anchors): what the worker serves with
 ROUTE = 11  # (ROUTE, seq, url): forward the request to this replica
 ERROR = 12  # (ERROR, seq, ApiError): answer the request with this error
 DRAINED = 13  # (DRAINED, url, why): cut the worker's silent requests on the replica
@@ -41,7 +42,11 @@ class Ticket:
     program_id: str
     prompt_chars: int
     arrival: float  # time.monotonic() when the worker had it parsed (same clock here)
-    agent: str | None = None  # agent role (predictive policies learn tool times per role)
+    agent: str | None = None  # agent role: explicit, else its anchor's hash (agent_identity)
+    # tools + leading system messages, for a policy that warms anchors (CacheSage; HELLO
+    # says whether the owner's policy wants them: they can be tens of KiB)
+    anchor: Anchor | None = None
+    parent: str | None = None  # the program this one works for (X-Parent-Id)
 
 
 @dataclass
@@ -57,6 +62,9 @@ class Outcome:
     certain: bool = False  # retry: the replica is at fault for sure (refused, or cut)
     suspect: str | None = None  # a failure mid-stream: the replica is probed
     ttft: float | None = None  # time.monotonic() of the first byte sent to the client
+    # a streamed answer's engine timings for the policy's prices (Router.observe_step):
+    # seconds from sending the request to its first byte, and from there to its end
+    step: tuple[float, float] | None = None
 
 
 _LENGTH = struct.Struct("!I")

@@ -16,7 +16,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from router.accounting import AnthropicStream, OpenAIStream, Usage, anthropic_body, openai_body
+from router.accounting import (
+    AnthropicStream,
+    OpenAIStream,
+    Usage,
+    anthropic_body,
+    openai_body,
+    without_sglext,
+)
 from router.errors import ApiError, anthropic_error_body, error_body
 from router.intake import Prepared, request_hints
 from router.outliers import Attempt
@@ -75,6 +82,7 @@ class Relay:
         self.program_id: str | None = None
         self.replica: str | None = None
         self.started = False  # the answer's head went to the client
+        self.sent = 0.0  # time.monotonic() when the current attempt was sent
         self.outcome = Outcome()  # of the current attempt
 
     async def run(self) -> None:
@@ -87,7 +95,12 @@ class Relay:
             self.program_id = prepared.program_id
             forward = [(k.encode(), v.encode()) for k, v in forwarded_headers(headers).items()]
             ticket = Ticket(
-                prepared.program_id, prepared.prompt_chars, time.monotonic(), prepared.agent
+                prepared.program_id,
+                prepared.prompt_chars,
+                time.monotonic(),
+                prepared.agent,
+                prepared.anchor if w.anchors else None,
+                prepared.parent,
             )
             await self._exchange(ticket, prepared, [JSON, *forward])
         except ApiError as e:
@@ -130,6 +143,7 @@ class Relay:
         outcome = self.outcome = Outcome()
         attempt = w.attempts.begin(url)
         complete = False
+        self.sent = time.monotonic()
         try:
             try:
                 response = await w.upstream.request(
@@ -159,7 +173,7 @@ class Relay:
                 elif prepared.stream:
                     await self._relay_stream(response, prepared, attempt, outcome)
                 else:
-                    await self._relay_body(response, attempt, outcome)
+                    await self._relay_body(response, prepared, attempt, outcome)
                 complete = outcome.retry is None and outcome.suspect is None
             finally:
                 response.close()
@@ -169,7 +183,9 @@ class Relay:
             if not complete:
                 w.spawn(w.replicas[url].abort(prepared.rid))
 
-    async def _relay_body(self, response: Response, attempt: Attempt, outcome: Outcome) -> None:
+    async def _relay_body(
+        self, response: Response, prepared: Prepared, attempt: Attempt, outcome: Outcome
+    ) -> None:
         try:
             content = await response.read()
         except Broken as e:
@@ -177,6 +193,8 @@ class Relay:
             _retry(outcome, cut or f"{e} (while reading the answer)", certain=cut is not None)
             return
         outcome.usage = (anthropic_body if self.anthropic else openai_body)(content)
+        if not self.anthropic and not prepared.client_wants_details:
+            content = without_sglext(content)
         outcome.ttft = time.monotonic()
         outcome.verdict = True
         ctype = response.header(b"content-type") or b"application/json"
@@ -185,7 +203,11 @@ class Relay:
     async def _relay_stream(
         self, response: Response, prepared: Prepared, attempt: Attempt, outcome: Outcome
     ) -> None:
-        parser = (AnthropicStream if self.anthropic else OpenAIStream)(prepared.client_wants_usage)
+        parser = (
+            AnthropicStream(prepared.client_wants_usage)
+            if self.anthropic
+            else OpenAIStream(prepared.client_wants_usage, prepared.client_wants_details)
+        )
         conn, clock = self.conn, self.worker.attempts.clock
         try:
             async for chunk in response:
@@ -219,6 +241,8 @@ class Relay:
         conn.end(tail)
         outcome.usage = parser.finish()
         outcome.verdict = True
+        if outcome.ttft is not None:
+            outcome.step = (outcome.ttft - self.sent, time.monotonic() - outcome.ttft)
 
     async def _relay_error(self, response: Response, outcome: Outcome) -> None:
         """Pass an engine error on in the client API's shape, whatever the engine sent."""

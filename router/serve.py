@@ -29,6 +29,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE",
         help="any setting of the config file, e.g. --set aging_s=60 (repeatable; wins over all)",
     )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        help="divide the router's timers (tick, hint sync, lease, gate timeout) by this: "
+        "match `mori replay --time-scale` and the engines' speed-up (default 1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         "port": args.port,
         "policy": args.policy,
         "log_level": args.log_level,
+        "time_scale": args.time_scale,
     }
     try:
         overrides.update(parse_settings(args.settings))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import socket
@@ -114,10 +113,16 @@ class Worker:
     """What one data-plane process serves with."""
 
     def __init__(
-        self, config: RouterConfig, admin_url: str, link: OwnerLink, upstream: Upstream
+        self,
+        config: RouterConfig,
+        admin_url: str,
+        link: OwnerLink,
+        upstream: Upstream,
+        anchors: bool = False,
     ) -> None:
         self.config = config
         self.admin_url = admin_url
+        self.anchors = anchors  # tickets carry request anchors (the owner's policy warms them)
         self.link = link
         self.upstream = upstream
         self.replicas = make_replicas(config, self.upstream)
@@ -200,13 +205,12 @@ async def serve(listen_fd: int, link_fd: int) -> None:
     """A worker process: configured by the owner's HELLO, stopped by SIGTERM/SIGINT."""
     owner = OwnerLink(None)
     await connect(socket.socket(fileno=link_fd), owner.link)  # type: ignore[arg-type]
-    _, config_json, admin_url = await owner.hello
-    config = RouterConfig.model_validate(json.loads(config_json))
+    _, config, admin_url, anchors = await owner.hello
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     upstream = make_upstream(config)
-    worker = owner.worker = Worker(config, admin_url, owner, upstream)
+    worker = owner.worker = Worker(config, admin_url, owner, upstream, anchors)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

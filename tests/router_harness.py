@@ -125,12 +125,17 @@ class ScriptedReplica:
         delay_s: float = 0.0,
         chat_status: int = 200,
         break_streams: bool = False,
+        hint_delay_s: float = 0.0,
+        count_prompt: bool = False,
     ) -> None:
         self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
         self.chat_status = chat_status  # an engine answering every chat request with an error
         self.break_streams = break_streams  # streams cut off after their first chunk
+        self.hint_delay_s = hint_delay_s
+        self.count_prompt = count_prompt  # prompt tokens = 4 characters each, else always 5
         self.hint_calls = 0
         self.chat_calls = 0
+        self.events: list[tuple[str, Any]] = []  # ("hints", batch) when answered, ("request", id)
         self.aborts: list[str] = []
         self.app = Starlette(
             routes=[
@@ -151,6 +156,8 @@ class ScriptedReplica:
         if self.hints_status != 200:
             return JSONResponse({"detail": "nope"}, status_code=self.hints_status)
         body = await request.json()
+        await asyncio.sleep(self.hint_delay_s)
+        self.events.append(("hints", body["hints"]))
         return JSONResponse({"epoch": body["epoch"], "stale": False, "residency": {}})
 
     async def abort(self, request: Request) -> Response:
@@ -172,10 +179,12 @@ class ScriptedReplica:
         self.chat_calls += 1
         if self.chat_status != 200:
             return JSONResponse({"detail": "engine failure"}, status_code=self.chat_status)
+        self.events.append(("request", body.get("session_id")))
+        prompt = len(json.dumps(body.get("messages"))) // 4 if self.count_prompt else 5
         usage = {
-            "prompt_tokens": 5,
+            "prompt_tokens": prompt,
             "completion_tokens": self.tokens,
-            "total_tokens": 5 + self.tokens,
+            "total_tokens": prompt + self.tokens,
         }
         if not body.get("stream"):
             message = {"role": "assistant", "content": "ok"}

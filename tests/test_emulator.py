@@ -40,16 +40,23 @@ def client(emulator):
 
 
 def _ask(client, program: str, messages: list, max_tokens: int, **kw):
-    extra = {"ignore_eos": True, "session_id": program, **kw.pop("extra_body", {})}
+    extra = {"ignore_eos": True, "session_id": program, "return_cached_tokens_details": True}
     return client.chat.completions.create(
-        model="m", messages=messages, max_tokens=max_tokens, extra_body=extra, **kw
+        model="m",
+        messages=messages,
+        max_tokens=max_tokens,
+        extra_body={**extra, **kw.pop("extra_body", {})},
+        **kw,
     )
 
 
-def _cached(usage) -> tuple[int, int, int]:
-    details = usage.prompt_tokens_details
-    split = details.cached_tokens_details
-    return details.cached_tokens, split["device"], split["host"]
+def _cached(answer) -> tuple[int, int, int]:
+    """(cached_tokens, device, host) as SGLang reports them: the split in `sglext`, sent
+    only when something was cached."""
+    split = (answer.model_extra.get("sglext") or {}).get("cached_tokens_details")
+    split = split or {"device": 0, "host": 0}
+    details = answer.usage.prompt_tokens_details  # left out when nothing was cached
+    return details.cached_tokens if details else 0, split["device"], split["host"]
 
 
 def test_non_streaming_counts_prompt_and_gives_exact_tokens(client):
@@ -59,7 +66,7 @@ def test_non_streaming_counts_prompt_and_gives_exact_tokens(client):
     assert r.usage.completion_tokens == 37
     assert len(r.choices[0].message.content) == 37 * 4
     assert r.choices[0].finish_reason == "length"
-    assert _cached(r.usage) == (0, 0, 0)
+    assert _cached(r) == (0, 0, 0)
 
 
 def test_without_ignore_eos_stops_early_under_max_tokens(client):
@@ -95,13 +102,36 @@ def test_repeated_prefix_is_cached_on_device(client):
     ]
     second = _ask(client, "grower", messages, 10)
     previous = first.usage.prompt_tokens + first.usage.completion_tokens
-    cached, device, host = _cached(second.usage)
+    cached, device, host = _cached(second)
     # the whole previous context (prompt + answer, plus the answer's markup) is reused
     assert previous <= cached <= previous + 4
     assert (device, host) == (cached, 0)
     # a different program with the same text does not hit this program's cache
     other = _ask(client, "stranger", messages, 10)
-    assert _cached(other.usage)[0] == 0
+    assert _cached(other)[0] == 0
+    assert "sglext" not in other.model_extra  # nothing cached: no split, as in SGLang
+    unasked = _ask(
+        client, "grower", messages, 10, extra_body={"return_cached_tokens_details": False}
+    )
+    assert "sglext" not in unasked.model_extra
+    assert unasked.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_streamed_split_comes_in_its_own_chunk_before_usage(client):
+    messages = [{"role": "user", "content": "split " * 120}]
+    first = _ask(client, "splitter", messages, 5)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    stream = _ask(
+        client, "splitter", messages, 5, stream=True, stream_options={"include_usage": True}
+    )
+    tail = [chunk.model_dump(exclude_none=True) for chunk in stream if not chunk.choices]
+    assert [sorted(set(c) & {"sglext", "usage"}) for c in tail] == [["sglext"], ["usage"]]
+    split = tail[0]["sglext"]["cached_tokens_details"]
+    assert (
+        split["device"] + split["host"]
+        == tail[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        > 0
+    )
 
 
 def test_evicted_program_loads_back_from_host(emulator, client):
@@ -113,7 +143,7 @@ def test_evicted_program_loads_back_from_host(emulator, client):
     residency = httpx.get(emulator + "/mori/residency").json()["programs"]["evict-a"]
     assert residency["device_tokens"] < residency["host_tokens"]
     again = first + [{"role": "assistant", "content": r.choices[0].message.content}]
-    cached, device, host = _cached(_ask(client, "evict-a", again, 8).usage)
+    cached, device, host = _cached(_ask(client, "evict-a", again, 8))
     assert host > 0 and cached == device + host
 
 
@@ -249,3 +279,25 @@ def test_server_info_and_models(emulator):
     assert info["hicache_host_tokens"] == HOST_TOKENS
     models = httpx.get(emulator + "/v1/models").json()
     assert models["data"][0]["id"] == info["model_path"]
+
+
+def test_programs_with_the_same_system_prompt_share_its_kv(emulator, client):
+    """The anchor (tools + leading system messages) is stored once: a new program of the
+    same role hits it on its first request; another role's does not."""
+    system = {"role": "system", "content": "You are the Coder of this team. " * 20}
+    other = {"role": "system", "content": "You are the Critic of this team. " * 20}
+    _ask(client, "role-a1", [system, {"role": "user", "content": "task one"}], 5)
+    first = _ask(client, "role-a2", [system, {"role": "user", "content": "task two"}], 5)
+    anchor = count_tokens(render_chat([system])) - 1  # whole tokens inside the anchor
+    assert _cached(first)[1] >= anchor
+    stranger = _ask(client, "role-b1", [other, {"role": "user", "content": "task one"}], 5)
+    assert _cached(stranger)[0] < 10
+
+
+def test_hint_batches_carry_survival_scores(emulator):
+    body = {"epoch": 200, "hints": {}, "scores": {"Coder": 0.8}, "agents": {"role-a1": "Coder"}}
+    assert httpx.post(emulator + "/mori/hints", json=body).status_code == 200
+    assert httpx.get(emulator + "/mori/residency").json()["anchor_scores"] == {"Coder": 0.8}
+    for bad in ({"scores": {"Coder": 1.5}}, {"scores": [1]}, {"agents": {"p": 3}}):
+        r = httpx.post(emulator + "/mori/hints", json={"epoch": 201, "hints": {}, **bad})
+        assert r.status_code == 400, bad

@@ -1,5 +1,5 @@
 """The engine patch's own logic, without SGLang: type ranking, victim order, admission order,
-hint epochs, residency counters and the offload / load-back plans."""
+hint epochs, residency counters, CacheSage survival scores and the offload / load-back plans."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine_patches import anchor_scores
+from engine_patches.anchor_scores import AnchorScores
+from engine_patches.control import ControlPath
 from engine_patches.hint_book import HintBatch, HintBook, HintError
 from engine_patches.ranking import CacheTier, admit_rank, busy_first, keep_rank, victim_key
-from engine_patches.residency import ResidencyLedger
+from engine_patches.residency import MAX_NODE_PROGRAMS, ResidencyLedger
 from engine_patches.tree_plan import NodeView, load_back_plan, offload_plan
 from router.policy.types import Hint
 
@@ -129,32 +132,151 @@ def test_ledger_split_copies_programs():
     st.lists(
         st.tuples(
             st.integers(0, 5),
-            st.sampled_from("abc"),
+            st.integers(0, MAX_NODE_PROGRAMS + 3),
             st.integers(0, 9),
             st.integers(0, 9),
             st.booleans(),
         ),
-        max_size=60,
+        max_size=120,
     )
 )
 def test_ledger_matches_a_full_recount(ops):
-    """Counters after any sequence of updates equal a from-scratch walk."""
+    """Counters after any sequence of updates equal a from-scratch walk, each node counting
+    for its MAX_NODE_PROGRAMS most recent users."""
     led = ResidencyLedger()
-    truth: dict[int, tuple[set[str], int, int]] = {}
-    for node, prog, dev, host, drop in ops:
+    truth: dict[int, tuple[list[str], int, int]] = {}
+    for node, prog_no, dev, host, drop in ops:
+        prog = f"p{prog_no}"
         if drop:
             led.forget(node)
             truth.pop(node, None)
             continue
         led.stamp(node, prog)
         led.observe(node, dev, host)
-        progs = truth.get(node, (set(), 0, 0))[0] | {prog}
-        truth[node] = (progs, dev, host)
-    for prog in "abc":
-        dev = sum(d for ps, d, _ in truth.values() if prog in ps)
-        host = sum(h for ps, _, h in truth.values() if prog in ps)
+        users = [u for u in truth.get(node, ([], 0, 0))[0] if u != prog] + [prog]
+        truth[node] = (users[-MAX_NODE_PROGRAMS:], dev, host)
+    for prog in (f"p{i}" for i in range(MAX_NODE_PROGRAMS + 4)):
+        dev = sum(d for us, d, _ in truth.values() if prog in us)
+        host = sum(h for us, _, h in truth.values() if prog in us)
         assert led.residency(prog).as_json() == {"device_tokens": dev, "host_tokens": host}
+        assert led.holds(prog) == any(prog in us for us, _, _ in truth.values())
     assert led.device_used == sum(d for _, d, _ in truth.values())
+    assert led.size()["widest_node"] <= MAX_NODE_PROGRAMS
+
+
+def test_a_shared_node_keeps_its_most_recent_users_only():
+    led = ResidencyLedger()
+    led.observe("system_prompt", 100, 100)
+    for i in range(1000):  # a thousand programs share one system prompt
+        led.stamp("system_prompt", f"p{i}")
+    led.stamp("system_prompt", "p990")  # a returning user moves to the back
+    led.stamp("system_prompt", "late")
+    kept = led.programs_of("system_prompt")
+    assert len(kept) == MAX_NODE_PROGRAMS and {"p990", "late", "p999"} <= kept
+    assert "p984" not in kept  # the oldest of the last 16 was pushed out by "late"
+    assert led.residency("p0").device_tokens == 0 and not led.holds("p0")
+    assert led.residency("late").as_json() == {"device_tokens": 100, "host_tokens": 100}
+    assert (led.device_used, led.host_used) == (100, 100)
+    assert led.size() == {"nodes": 1, "programs": MAX_NODE_PROGRAMS, "widest_node": 16}
+
+
+def test_kv_hints_program_type_actions_are_read_and_respect_epochs():
+    from types import SimpleNamespace as NS
+
+    from engine_patches.kv_actions import program_types
+
+    def action(kind, version="1", **payload):
+        return NS(action_id="a", action_type=kind, action_version=version, payload=payload)
+
+    envelope = NS(actions=[
+        action("mori.program_type", program="p", type="idle", epoch=7),
+        action("mori.program_type", version="2", program="p", type="busy", epoch=9),
+        action("sglang.retain", program="p"),
+        action("mori.program_type", program="q", type="hot", epoch=7),
+        action("mori.program_type", program="q", type="busy", epoch=True),
+    ])  # fmt: skip
+    (only,) = program_types(envelope)
+    assert (only.program, only.hint, only.epoch) == ("p", D, 7)
+    assert list(program_types(None)) == []
+    book = HintBook()
+    book.apply(HintBatch(8, {"p": B}))
+    assert not book.request_type("p", D, 7)  # older than the last batch: ignored
+    assert book.request_type("p", D, 8) and book.hint("p") is D
+    assert not book.request_type("p", D, 9)  # no change
+
+
+def test_hint_book_forgets_ended_programs_that_hold_nothing():
+    book = HintBook()
+    book.apply(HintBatch(1, {f"p{i}": X for i in range(1000)} | {"held": X, "live": B}))
+    assert len(book.forget_ended(holds=lambda p: p == "held")) == 1000
+    assert set(book.types) == {"held", "live"} and book.hint("p3") is None
+
+
+def test_anchor_scores_parse_rejects_bad_fields():
+    for body in (
+        {"scores": {"A": 1.5}},
+        {"scores": {"A": True}},
+        {"scores": ["A"]},
+        {"agents": {"p": 3}},
+        {"agents": {"": "A"}},
+    ):
+        with pytest.raises(HintError):
+            anchor_scores.parse(body)
+    assert anchor_scores.parse({}) == (None, {})
+    assert anchor_scores.parse({"scores": {"A": 1}}) == ({"A": 1.0}, {})
+
+
+def test_survival_is_the_best_role_score_of_a_shared_node_only():
+    book = AnchorScores()
+    assert book.survival(["a1", "a2"]) == 0.0  # no scores yet: plain typed LRU
+    book.apply({"A": 0.9, "B": 0.1}, {"a1": "A", "a2": "A", "b1": "B"})
+    assert book.survival(["a1", "a2"]) == 0.9
+    assert book.survival(["a1", "b1"]) == 0.9  # the best of its programs' roles
+    assert book.survival(["b1", "unnamed"]) == 0.1
+    assert book.survival(["a1"]) == 0.0  # private KV keeps the typed LRU order
+    book.apply(None, {})  # no `scores` field: the scores stay
+    assert book.survival(["a1", "a2"]) == 0.9
+    book.apply({}, {})  # empty scores clear them
+    assert book.survival(["a1", "a2"]) == 0.0
+
+
+def test_anchor_scores_forget_ended_programs_and_stay_bounded(monkeypatch):
+    book = AnchorScores()
+    book.apply({"A": 1.0}, {"a1": "A", "a2": "A", "a3": "A"})
+    book.forget(["a1", "never-named"])
+    assert list(book.agents) == ["a2", "a3"] and book.survival(["a1", "x"]) == 0.0
+    monkeypatch.setattr(anchor_scores, "MAX_AGENTS", 2)
+    book.apply(None, {"a2": "A", "a4": "A"})  # a2 named again: a3 is the least recent
+    assert list(book.agents) == ["a2", "a4"]
+
+
+def test_control_path_reports_a_failure_on_any_rank_and_refuses_more_hints():
+    peer = {"ok": True}  # the other TP rank's outcome, as the all-reduce reports it
+    path = ControlPath(agree=lambda ok: ok and peer["ok"])
+
+    def ok(op, body):
+        return {"epoch": 1}
+
+    def bad_input(op, body):
+        raise HintError("'epoch' must be a non-negative integer")
+
+    def broken(op, body):
+        raise RuntimeError("device error half-way through an offload")
+
+    assert path.run("hints", {}, ok) == {"epoch": 1}
+    assert path.run("hints", {}, bad_input)["status"] == 400
+    assert path.diverged is None  # a rejected batch changed nothing, on any rank
+    peer["ok"] = False  # this rank applied the batch, the other failed half-way
+    failed = path.run("hints", {}, ok)
+    assert failed["status"] == 500 and "tensor-parallel rank" in failed["error"]
+    peer["ok"] = True
+    assert path.run("hints", {}, ok)["status"] == 503  # no more hints: restart the replica
+    assert path.run("residency", {}, ok) == {"epoch": 1}  # reads still work
+
+    alone = ControlPath()  # tp = 1: the failing rank reports its own error
+    answer = alone.run("hints", {}, broken)
+    assert answer["status"] == 500 and "device error" in answer["error"]
+    assert alone.diverged is not None
 
 
 def view(nid, depth, progs, dev=True, bak=True, locked=False, children=(), cdev=None):

@@ -49,13 +49,34 @@ def _three_on_gpu(policy: Policy) -> None:
     assert policy.route("c") == "r0"
 
 
-def test_demotion_takes_most_idle_acting_first():
-    policy = make()
-    _three_on_gpu(policy)
-    shrink(policy, 600, 1000)
-    moves = policy.tick(10.0)
-    assert by_reason(moves, MoveReason.DEMOTE) == ["a"]
-    assert where(policy, "a") == CPU0 and where(policy, "b") == GPU0
+def _four_orders(policy: Policy) -> None:
+    """Four ACTING programs of 300 tokens whose orders all differ at t=10:
+    most idle first c (0.8), d (0.5), b (0.09), a (0.01); least recently active first b,
+    c, a, d; first come first a, b, c, d; least idle first a, b, d, c."""
+    policy.on_request("a", -200.0, 300)  # a long step: came first, barely idle
+    policy.on_request("b", -100.0, 300)
+    policy.on_response("b", 0.0, 300)  # silent the longest, yet mostly reasoning
+    policy.on_request("c", 5.0, 300)
+    policy.on_response("c", 6.0, 300)  # 1 s reasoning, 4 s acting: the most idle
+    policy.on_response("a", 7.0, 300)
+    policy.on_request("d", 8.0, 300)
+    policy.on_response("d", 9.0, 300)
+    assert {p: round(policy.programs[p].idleness(10.0), 2) for p in "abcd"} == {
+        "a": 0.01,
+        "b": 0.09,
+        "c": 0.8,
+        "d": 0.5,
+    }
+
+
+def test_demotion_takes_most_idle_acting_first_not_lru_fifo_or_reversed():
+    policy = make(gpu=2000)
+    _four_orders(policy)
+    shrink(policy, 900, 1000)  # one victim
+    assert by_reason(policy.tick(10.0), MoveReason.DEMOTE) == ["c"]  # LRU: b; FIFO, reversed: a
+    shrink(policy, 300, 1000)  # two more
+    assert by_reason(policy.tick(10.0), MoveReason.DEMOTE) == ["d", "b"]
+    assert where(policy, "a") == GPU0
 
 
 def test_demotion_takes_acting_before_reasoning():
@@ -113,18 +134,15 @@ def test_context_growth_past_budget_demotes_after_the_step():
     assert [(m.program_id, m.dst, m.reason) for m in moves] == [("a", CPU0, MoveReason.DEMOTE)]
 
 
-def test_cpu_overflow_pushes_most_idle_to_waiting():
-    policy = make()
-    step(policy, "a", 0.0, 300)
-    step(policy, "b", 8.0, 300)
-    shrink(policy, 0, 1000)
-    policy.tick(10.0)
-    assert where(policy, "a") == CPU0 and where(policy, "b") == CPU0
-    shrink(policy, 0, 400)
-    moves = policy.tick(11.0)
-    assert [(m.program_id, m.dst, m.reason) for m in moves] == [
-        ("a", WAIT, MoveReason.CPU_OVERFLOW)
-    ]
+def test_cpu_overflow_pushes_most_idle_to_waiting_not_lru_fifo_or_reversed():
+    policy = make(gpu=2000, cpu=2000)
+    _four_orders(policy)
+    shrink(policy, 0, 2000)
+    policy.tick(10.0)  # all four to CPU
+    assert {where(policy, p) for p in "abcd"} == {CPU0}
+    shrink(policy, 0, 600)
+    moves = policy.tick(10.0)
+    assert by_reason(moves, MoveReason.CPU_OVERFLOW) == ["c", "d"]
 
 
 # promotion -----------------------------------------------------------------------------------

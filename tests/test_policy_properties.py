@@ -59,27 +59,33 @@ def fits_somewhere(policy: Policy, p) -> bool:
 
 def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:
     """Continuum blocks head-of-line: a held request may wait while it fits, but only
-    behind an earlier program's request (on its replica) that does not fit even with
-    every releasable pin released."""
-    replica = policy._replica_of(p)
-    if replica is None:
-        return False
-    gpu = Placement(Tier.GPU, replica)
-    queue = [
-        q
-        for q in policy._held_programs()
-        if q.placement.tier is not Tier.GPU and policy._replica_of(q) == replica
-    ]
-    head = min(queue, key=lambda q: q.created_s)
-    releasable = sum(
-        v.context_tokens
-        for v in policy.tiers.members(gpu)
-        if v.program_id in policy.pins
-        and v.status is Status.ACTING
-        and not v.pending
-        and v is not head
+    behind an earlier program's request (program FCFS) on its replica that does not fit
+    even with every releasable pin released. A step's pin is not releasable while its TTL
+    is being priced (deadline = the step's end: the shell calls `on_tool_start` next;
+    without one, the next event or tick releases it). True if `p` should have been let in
+    (it is an unblocked head that fits)."""
+    blocked: set[str] = set()
+    held = sorted(
+        (q for q in policy._held_programs() if q.placement.tier is not Tier.GPU),
+        key=lambda q: (q.program_id not in policy.pins, q.created_s),
     )
-    return head.context_tokens <= policy.tiers.free(gpu) + releasable
+    for q in held:
+        replica = policy._replica_of(q, blocked)
+        if replica is None or replica in blocked:
+            continue
+        gpu = Placement(Tier.GPU, replica)
+        releasable = sum(
+            v.context_tokens
+            for v in policy.tiers.members(gpu)
+            if v.program_id in policy.pins
+            and policy.pins[v.program_id] != policy._finished_at.get(v.program_id)
+            and v.status is Status.ACTING
+            and not v.pending
+        )
+        if q.context_tokens <= policy.tiers.free(gpu) + releasable:
+            return q is p
+        blocked.add(replica)
+    return False
 
 
 def check_tiers(policy: Policy) -> None:

@@ -7,9 +7,8 @@ import json
 import subprocess
 
 import pytest
-from openai.types import CompletionUsage
 
-from router.replay.client import Replay, ReplayConfig, cached_split
+from router.replay.client import Replay, ReplayConfig
 from router.replay.prompts import Conversation, common_prefix_tokens, count_tokens, render_chat
 from router.replay.report import JSON_FIELDS
 from router.replay.trace import TraceProgram, TraceStep, dump_trace
@@ -77,31 +76,6 @@ def test_same_agent_shares_the_anchor_prefix_only():
     c = render_chat(Conversation("c", "other", 300).next_messages(600, 0))
     assert 295 <= common_prefix_tokens(a, b) <= 302
     assert common_prefix_tokens(a, c) < 5
-
-
-def test_cached_split_reads_sglang_and_plain_usage():
-    usage = CompletionUsage.model_validate(
-        {
-            "prompt_tokens": 100,
-            "completion_tokens": 5,
-            "total_tokens": 105,
-            "prompt_tokens_details": {
-                "cached_tokens": 70,
-                "cached_tokens_details": {"device": 50, "host": 20},
-            },
-        }
-    )
-    assert cached_split(usage) == (50, 20)
-    plain = CompletionUsage.model_validate(
-        {
-            "prompt_tokens": 10,
-            "completion_tokens": 1,
-            "total_tokens": 11,
-            "prompt_tokens_details": {"cached_tokens": 7},
-        }
-    )
-    assert cached_split(plain) == (7, 0)
-    assert cached_split(None) == (0, 0)
 
 
 def test_replay_against_emulator_records_steps_and_cache_hits(emulator, corpus_file):
@@ -177,3 +151,47 @@ def test_replay_cli_rejects_bad_input(tmp_path):
     argv = mori("replay", str(good), "--endpoint", f"http://127.0.0.1:{port}", "--duration", "1")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "cannot list models" in done.stdout
+
+
+def test_live_replay_keeps_hand_overs_and_forks(emulator):
+    """`after`: a role's turn starts once the selector's dispatch ended, and the selector's
+    next call once the turn ended; a fork's first prompt repeats its parent's start."""
+    steps = (
+        TraceStep(300, 5, 0, 4.0, "worker"),  # nominal 4 s: the hand-over comes sooner
+        TraceStep(400, 5, 300, 0.0, after=(("sup.w", 0),)),
+    )
+    corpus = [
+        TraceProgram("sup", steps, agent="selector", anchor_tokens=100),
+        TraceProgram(
+            "sup.w",
+            (TraceStep(500, 5, 0, 0.0, after=(("sup", 0),)),),
+            parent_id="sup",
+            start_s=3.0,
+            agent="worker",
+        ),
+        TraceProgram(
+            "sup.f", (TraceStep(450, 5, 0, 0.0),), parent_id="sup", start_s=0.5, inherit_tokens=250
+        ),
+    ]
+    config = ReplayConfig(emulator, concurrency=1, duration_s=1.5, time_scale=10, start_jitter_s=0)
+    run = Replay(corpus, config)
+    asyncio.run(run.run())
+    ok = [r for r in run.records if r.ok]
+    sup0 = next(r for r in ok if r.input_tokens == 300)
+    work = next(r for r in ok if r.input_tokens == 500)
+    sup1 = next(r for r in ok if r.input_tokens == 400)
+    assert work.arrival_s == pytest.approx(sup0.finish_s, abs=0.5)  # not at start_s = 3 s
+    assert sup1.arrival_s == pytest.approx(work.finish_s, abs=0.5)  # not after 4 s
+    fork = next(r for r in ok if r.input_tokens == 450)
+    assert fork.cached_device >= 100  # the parent's system message at least (the emulator
+    # shares anchors across programs; the fork's prompt repeats 250 tokens, tested below)
+
+
+def test_a_fork_repeats_its_parents_start_byte_for_byte():
+    parent = Conversation("p", agent="main", anchor_tokens=100)
+    first = parent.next_messages(400, 0)
+    fork = Conversation("f", agent="main", inherit_tokens=250)
+    fork.inherit(first)
+    forked = fork.next_messages(600, 0)
+    assert count_tokens(render_chat(forked)) == 600
+    assert 248 <= common_prefix_tokens(render_chat(first), render_chat(forked)) <= 251

@@ -58,28 +58,34 @@ def test_context_larger_than_every_replica_fails_fast(replicas):
         assert_clean(base)
 
 
-def test_ending_a_program_answers_its_held_request_at_once(replicas):
-    spec = {"url": replicas[0], "gpu_tokens": 3000, "cpu_tokens": 0}
-    with router([spec], tick_s=TICK_S, gate_timeout_s=20.0, policy="mori-paper") as base:
-        c = client(base)
-        c.chat.completions.create(**_sized("holder", 2000))
-        result: dict = {}
+def test_ending_a_program_answers_its_held_request_at_once():
+    """(Its own replica: a router adopts the programs a shared engine still holds.)"""
+    with emulators(1, "--time-scale", "20") as (url,):
+        spec = {"url": url, "gpu_tokens": 3000, "cpu_tokens": 0}
+        with router([spec], tick_s=TICK_S, gate_timeout_s=20.0, policy="mori-paper") as base:
+            _end_while_held(base)
 
-        def held():
-            started = time.monotonic()
-            try:
-                c.chat.completions.create(**_sized("held", 2000))
-            except openai.APIStatusError as e:
-                result["error"] = e
-            result["waited"] = time.monotonic() - started
 
-        worker = threading.Thread(target=held)
-        worker.start()
-        deadline = time.monotonic() + 5
-        while programs(base)["gate"]["waiting"] != 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        httpx.post(base + "/v1/programs/held/end").raise_for_status()
-        worker.join(5)
-        assert result["error"].status_code == 409 and result["waited"] < 5.0
-        assert result["error"].body["code"] == "program_ended"
-        assert_clean(base)
+def _end_while_held(base: str) -> None:
+    c = client(base)
+    c.chat.completions.create(**_sized("holder", 2000))
+    result: dict = {}
+
+    def held():
+        started = time.monotonic()
+        try:
+            c.chat.completions.create(**_sized("held", 2000))
+        except openai.APIStatusError as e:
+            result["error"] = e
+        result["waited"] = time.monotonic() - started
+
+    worker = threading.Thread(target=held)
+    worker.start()
+    deadline = time.monotonic() + 5
+    while programs(base)["gate"]["waiting"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    httpx.post(base + "/v1/programs/held/end").raise_for_status()
+    worker.join(5)
+    assert result["error"].status_code == 409 and result["waited"] < 5.0
+    assert result["error"].body["code"] == "program_ended"
+    assert_clean(base)

@@ -83,6 +83,35 @@ def test_chat_plain_and_streamed(base):
     assert len(view["recent_cycles"]) == 2
 
 
+def test_router_counts_prompt_tokens_by_cache_source(base):
+    """The router asks the engine for its device/host split and counts every prompt token
+    by source; a client that asked for the split too gets it, one that did not never sees
+    it (test_chat_plain_and_streamed: no choice-less chunk leaks)."""
+    c = client(base)
+    sources = ("device", "host", "miss")
+    before = {s: metric(base, "mori_prompt_cache_tokens_total", source=s) for s in sources}
+    first = c.chat.completions.create(**chat("hits-1", "context " * 150))
+    messages = [
+        {"role": "user", "content": "context " * 150},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "tool result"},
+    ]
+    args = {
+        **chat("hits-1", extra_body={"return_cached_tokens_details": True}),
+        "messages": messages,
+    }
+    second = c.chat.completions.create(**args)
+    split = second.model_extra["sglext"]["cached_tokens_details"]
+    assert split["device"] > first.usage.prompt_tokens and split["host"] == 0
+    after = {s: metric(base, "mori_prompt_cache_tokens_total", source=s) for s in sources}
+    counted = {s: after[s] - before[s] for s in sources}
+    assert counted == {
+        "device": split["device"],
+        "host": 0,
+        "miss": first.usage.prompt_tokens + second.usage.prompt_tokens - split["device"],
+    }
+
+
 def test_completions_and_models(base):
     c = client(base)
     text = c.completions.create(
@@ -325,5 +354,6 @@ def test_every_policy_serves(replicas, policy):
         assert c.chat.completions.create(**chat("pol-1"), **forced).choices[0].message.tool_calls
         chunks = list(c.chat.completions.create(**chat("pol-1", "more"), stream=True))
         assert chunks and all(ch.usage is None for ch in chunks)
-        view = assert_clean(url)
-        assert view["policy"] == policy and view["data"][0]["steps"] == 2
+        view = assert_clean(url)  # also lists programs adopted from the shared emulators
+        mine = next(p for p in view["data"] if p["program_id"] == "pol-1")
+        assert view["policy"] == policy and mine["steps"] == 2

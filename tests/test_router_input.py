@@ -3,6 +3,7 @@ OpenAI-style 4xx, and a fuzz of thousands of requests against a live router find
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.accounting import OpenAIStream
-from router.config import ConfigError, load_config
+from router.config import POLICY_KNOBS, ConfigError, RouterConfig, load_config, parse_settings
 from router.errors import ApiError
 from router.identity import fingerprint, namespace, resolve
 from router.intake import Hints, Intake, prepare
+from router.policy import PolicyConfig
 from router.sanitize import LabelError
 from tests.router_harness import emulators, router
 from tests.servers import mori
@@ -34,6 +36,45 @@ def test_flags_beat_env_beat_file(tmp_path):
     assert config.window == 6  # file over default
     assert config.api_keys == ["k1", "k2"]
     assert [r.url for r in config.replicas] == ["http://a:1"]
+
+
+def test_time_scale_divides_the_trace_timers(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("replicas: [http://a:1]\ntick_s: 5\nlease_s: 900\nhealth_interval_s: 5\n")
+    plain = load_config(path, env={})
+    fast = load_config(path, {"time_scale": 10}, env={"MORI_GATE_TIMEOUT_S": "300"})
+    assert (fast.tick_s, fast.lease_s, fast.gate_timeout_s) == (0.5, 90, 30)
+    assert fast.hint_sync_s == plain.hint_sync_s / 10
+    assert fast.load_s_per_token == pytest.approx(plain.load_s_per_token / 10)
+    assert fast.health_interval_s == 5  # wall-clock concerns keep their value
+    with pytest.raises(ConfigError, match="time_scale"):
+        load_config(path, env={"MORI_TIME_SCALE": "0"})
+
+
+def test_every_policy_knob_is_settable_on_the_router_as_in_the_simulator(tmp_path):
+    """Each PolicyConfig field is a router setting of the same name, reachable from the file,
+    MORI_<KNOB> and `--set KNOB=VALUE` (load_s_per_token: derived from the KV size and PCIe)."""
+    knobs = {f.name for f in dataclasses.fields(PolicyConfig)} - {"load_s_per_token"}
+    assert knobs == POLICY_KNOBS and knobs <= set(RouterConfig.model_fields)
+    values = {k: v for k, v in vars(PolicyConfig()).items() if k in knobs}
+
+    def other(v):  # a valid value different from the default
+        if isinstance(v, bool):
+            return not v
+        return v / 2 if v and v <= 1 else (v or 1) * 3
+
+    changed = {k: other(v) for k, v in values.items()}
+    base = {"replicas": ["http://a:1"]}
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps({**base, **changed}))
+    from_file = load_config(path, env={}).policy_config()
+    env = {f"MORI_{k.upper()}": json.dumps(v) for k, v in changed.items()}
+    from_env = load_config(None, base, env=env).policy_config()
+    from_flags = load_config(
+        None, {**base, **parse_settings([f"{k}={v}" for k, v in changed.items()])}, env={}
+    ).policy_config()  # noqa: E501
+    for config in (from_file, from_env, from_flags):
+        assert {k: getattr(config, k) for k in knobs} == changed
 
 
 def test_replicas_from_env_accept_overrides():

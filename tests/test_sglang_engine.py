@@ -10,7 +10,6 @@ engine's own view comes from /generate's cached_tokens_details.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import time
@@ -25,20 +24,17 @@ from tests.router_harness import router
 from tests.sglang.server import (
     HERE,
     PYTHON,
+    REAL_ENGINE,
     REPO,
     Server,
     build_tiny_model,
-    patched_server,
+    installed_version,
     patched_servers,
     server_env,
+    tiny_engine,
 )
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(
-        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
-    ),
-]
+pytestmark = REAL_ENGINE
 
 DEVICE_TOKENS = 256  # --max-total-tokens: a few programs already overflow it
 PROMPT_LEN = 24
@@ -58,11 +54,7 @@ def prompt_of(program: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not PYTHON.exists():
-        pytest.fail(f"SGLang venv missing at {PYTHON}: run scripts/install_sglang_cpu.sh")
-    work = tmp_path_factory.mktemp("sglang")
-    model = build_tiny_model(work / "tiny")
-    with patched_server(model, work, SERVER_FLAGS) as srv:
+    with tiny_engine(tmp_path_factory.mktemp("sglang"), SERVER_FLAGS) as srv:
         yield srv
 
 
@@ -127,7 +119,9 @@ def test_hint_endpoint_validates_and_is_idempotent(server: Server):
     assert first == hints(server, 1, {"zz": "inactive"})
     assert first["residency"] == {"zz": {"device_tokens": 0, "host_tokens": 0}}
     assert hints(server, 0, {"zz": "busy"})["stale"] is True
-    assert residency(server)["programs"]["zz"]["hint"] == "inactive"
+    assert "zz" not in residency(server)["programs"]  # inactive, holds nothing: forgotten
+    hints(server, 2, {"zz": "idle"})
+    assert residency(server)["programs"]["zz"]["hint"] == "idle"
 
 
 def test_typed_eviction_and_offload_under_pressure(server: Server, client: OpenAI):
@@ -177,7 +171,8 @@ def test_residency_agrees_with_cached_tokens_details(server: Server):
     """For programs in every state, the next request's device/host hit equals what
     /mori/residency said just before (one token is always recomputed)."""
     for p in names(0, 20):
-        before = residency(server)["programs"][p]
+        nothing = {"device_tokens": 0, "host_tokens": 0}  # an evicted inactive: forgotten
+        before = residency(server)["programs"].get(p, nothing)
         path = max(before["device_tokens"], before["host_tokens"])
         meta = generate(server, p)["meta_info"]
         details = meta["cached_tokens_details"] or {"device": 0, "host": 0}
@@ -243,3 +238,28 @@ def test_busy_first_admission_on_the_real_schedule_policy():
         env=server_env(), cwd=REPO, capture_output=True, text=True, timeout=180, check=True,
     )  # fmt: skip
     assert json.loads(out.stdout.splitlines()[-1]) == ["b1", None, "b2", "i1", "i2", "x1"]
+
+
+def test_kv_hints_program_type_action_sets_the_type(server: Server):
+    """0.5.23 carries the versioned `kv_hints` envelope on /generate: the plugin takes MORI's
+    `mori.program_type` action from it (docs/hint-protocol.md); others are ignored."""
+    if installed_version() == "0.5.17":
+        pytest.skip("sglang 0.5.17 has no kv_hints envelope")
+    action = {"action_id": "a1", "action_type": "mori.program_type", "action_version": "1"}
+    envelope = {
+        "protocol_version": "1",
+        "message_id": "m1",
+        "actions": [
+            {**action, "payload": {"program": "kv1", "type": "idle", "epoch": 10**15}},
+            {**action, "action_type": "other.retain", "payload": {"program": "kv1"}},
+        ],
+    }
+    body = {
+        "input_ids": prompt_of("p40"),
+        "session_id": "kv1",
+        "kv_hints": envelope,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+    }
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert residency(server)["programs"]["kv1"]["hint"] == "idle"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from router.policy import REGISTRY
@@ -161,3 +163,46 @@ def test_mori_sim_cli_writes_reports_and_rejects_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sim", str(scenario), "--policies", "mori,nope"])
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_hand_overs_start_steps_when_the_steps_they_wait_for_end(test_policies):
+    """`after`: a subagent's turn starts when the step that dispatched it ends, and the
+    parent's next step when the turn ends, whatever the nominal times say."""
+    parent = TraceProgram(
+        "sup",
+        (
+            TraceStep(1_000, 5, 0, 50.0, "worker"),  # nominal gap 50 s: the worker's turn
+            TraceStep(1_100, 5, 1_000, 0.0, after=(("sup.w", 1),)),
+        ),
+    )
+    worker = TraceProgram(
+        "sup.w",
+        (
+            TraceStep(2_000, 20, 0, 0.3, "python", after=(("sup", 0),)),
+            TraceStep(2_400, 20, 2_020, 0.0),
+        ),
+        parent_id="sup",
+        start_s=30.0,  # nominal; the hand-over comes much sooner
+    )
+    sim, _ = run([parent, worker], policy="forward-all", concurrency=1, duration_s=20)
+    records = sorted(sim.records, key=lambda r: r.arrival_s)
+    assert [r.program_id.split("#")[0] for r in records[:4]] == ["sup", "sup.w", "sup.w", "sup"]
+    sup0, w0, w1, sup1 = records[:4]
+    assert w0.arrival_s == pytest.approx(sup0.finish_s)  # dispatched at once, not at 30 s
+    assert w1.arrival_s == pytest.approx(w0.finish_s + 0.3)  # its own tool call
+    assert sup1.arrival_s == pytest.approx(w1.finish_s)  # not after the nominal 50 s
+
+
+def test_a_forked_subagent_hits_its_parents_context(test_policies):
+    parent = TraceProgram(
+        "main",
+        (TraceStep(9_000, 50, 0, 10.0, "Task"), TraceStep(9_500, 50, 9_050, 0.0)),
+        agent="main",
+        anchor_tokens=3_000,
+    )
+    fork = TraceProgram("main.fork", (TraceStep(8_000, 50, 0, 0.0),), parent_id="main", start_s=2.0)
+    fork = replace(fork, inherit_tokens=6_000)
+    sim, _ = run([parent, fork], policy="forward-all", concurrency=1, duration_s=8)
+    child = next(r for r in sim.records if r.program_id.startswith("main.fork"))
+    assert child.cached_device == 6_000  # the parent's first 6k tokens, stored once
+    assert sim.engines["r0"].usage()["device_used_tokens"] == 9_050 + 2_050

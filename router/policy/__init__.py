@@ -14,6 +14,7 @@ REGISTRY: dict[str, str] = {
     "mori": "router.policy.mori:MoriPolicy",
     "mori-priced": "router.policy.priced:PricedPolicy",
     "mori-paper": "router.policy.mori_paper:MoriPaperPolicy",
+    "mori+cachesage": "router.policy.cachesage:CacheSagePolicy",
     "continuum": "router.policy.continuum:ContinuumPolicy",
     "ta": "router.policy.baselines:ThunderAgentPolicy",
     "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",

@@ -195,6 +195,7 @@ class Policy(ABC):
         if p is None:
             return []
         self._held.pop(program_id, None)
+        p.pending = False  # a request it had at the gate is answered by the shell, not placed
         self.last_tool.pop(program_id, None)
         move = self._move(p, WAITING, reason, now) if p.placement.tier is not Tier.WAITING else None
         if move is None and p.last_replica is not None:

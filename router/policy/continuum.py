@@ -156,11 +156,11 @@ class ContinuumPolicy(Policy):
     def _after_response(self, p: Program, now: float) -> list[Move]:
         """A finished step keeps its room until `on_tool_start` (called right after, with
         the tool its answer ends in) prices the pin; a step with no tool call has a pin
-        that expires now, so the next schedule releases it."""
+        that expires now, so the next schedule after this instant releases it."""
         self._finished_at[p.program_id] = now
         if p.placement.tier is Tier.GPU:
             self.pins[p.program_id] = now
-        return []
+        return self._schedule(now)  # room a lazy demotion freed; this pin is not released
 
     def _start(self, p: Program, now: float) -> None:
         since = self._unpinned_wait.pop(p.program_id, None)
@@ -201,48 +201,51 @@ class ContinuumPolicy(Policy):
         for p in held:
             if p.placement.tier is Tier.GPU and p.pending:  # still pinned: straight in
                 self._release(p, now)
-        queues: dict[str, list[Program]] = {}
+        blocked: set[str] = set()  # replicas whose queue head does not fit
         for p in sorted(held, key=lambda q: (q.program_id not in self.pins, q.created_s)):
-            if p.pending and p.placement.tier is not Tier.GPU:
-                replica = self._replica_of(p)
-                if replica is not None:
-                    queues.setdefault(replica, []).append(p)
-        for replica, queue in queues.items():
-            moves += self._drain_queue(replica, queue, now)
+            if not p.pending or p.placement.tier is Tier.GPU:
+                continue
+            replica = self._replica_of(p, blocked)
+            if replica is None or replica in blocked:
+                continue  # behind its replica's head
+            admitted, released = self._admit_head(p, replica, now)
+            moves += released
+            if not admitted:
+                blocked.add(replica)  # head-of-line (Algorithm 1)
         return moves
 
-    def _drain_queue(self, replica: str, queue: list[Program], now: float) -> list[Move]:
-        """Admit from the head while it fits, releasing later-arrived pins for it; stop at
-        the first head that cannot fit (head-of-line, Algorithm 1)."""
+    def _admit_head(self, p: Program, replica: str, now: float) -> tuple[bool, list[Move]]:
+        """Admit the head of `replica`'s queue, releasing pins of later-arrived programs
+        for it as needed; whether it got in, and the moves (released pins stay released)."""
         gpu = Placement(Tier.GPU, replica)
         moves: list[Move] = []
-        for p in queue:
-            if not self.tiers.fits(gpu, p.context_tokens):
-                victims = sorted(
-                    (q for q in self.tiers.members(gpu) if q.program_id in self.pins),
-                    key=lambda q: q.created_s,
-                    reverse=True,
-                )
-                for v in victims:
-                    if self.tiers.fits(gpu, p.context_tokens):
-                        break
-                    deciding = self._finished_at.get(v.program_id) == now  # TTL not priced yet
-                    if v.status is Status.ACTING and not v.pending and not deciding:
-                        moves += self._unpin(v, now)
-            if not self.tiers.fits(gpu, p.context_tokens):
-                break
-            reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
-            moves.append(self._move(p, gpu, reason, now))
-        return moves
+        if not self.tiers.fits(gpu, p.context_tokens):
+            victims = sorted(
+                (q for q in self.tiers.members(gpu) if q.program_id in self.pins),
+                key=lambda q: q.created_s,
+                reverse=True,
+            )
+            for v in victims:
+                if self.tiers.fits(gpu, p.context_tokens):
+                    break
+                deciding = self._finished_at.get(v.program_id) == now  # TTL not priced yet
+                if v.status is Status.ACTING and not v.pending and not deciding:
+                    moves += self._unpin(v, now)
+        if not self.tiers.fits(gpu, p.context_tokens):
+            return False, moves
+        reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
+        return True, [*moves, self._move(p, gpu, reason, now)]
 
-    def _replica_of(self, p: Program) -> str | None:
-        """Sticky: the program's replica while healthy; a new one goes to the most room."""
+    def _replica_of(self, p: Program, blocked: set[str]) -> str | None:
+        """Sticky: the program's replica while healthy; a new one, at its turn, goes to the
+        unblocked replica with the most free room."""
         healthy = self.tiers.replicas()
         if p.last_replica in healthy:
             return p.last_replica
-        if not healthy:
+        open_ = [r for r in healthy if r not in blocked]
+        if not open_:
             return None
-        return max(healthy, key=lambda r: self.tiers.free(Placement(Tier.GPU, r)))
+        return max(open_, key=lambda r: self.tiers.free(Placement(Tier.GPU, r)))
 
     def _unpin(self, p: Program, now: float) -> list[Move]:
         self.pins.pop(p.program_id, None)

@@ -241,6 +241,9 @@ class PricedPolicy(MoriPaperPolicy):
             r: self.tiers.free(Placement(Tier.GPU, r)) - self.promotion_reserve(r) for r in replicas
         }
         moves: list[Move] = []
+        # The most a replica can offer a request (free room + its movable programs); a
+        # request larger than that on every target costs nothing to pass over.
+        room: dict[tuple[str, bool], int] = {}
         for p in candidates:
             if not p.pending:
                 continue
@@ -252,9 +255,15 @@ class PricedPolicy(MoriPaperPolicy):
                 targets = [p.last_replica, *order] if p.last_replica in free else order
             for r in dict.fromkeys(targets):
                 needed = p.context_tokens - free[r]  # type: ignore[index]
+                key = (r, aged)
+                if key not in room:
+                    room[key] = self._victims.room(r, aged, now)  # type: ignore[arg-type]
+                if needed > room[key]:  # type: ignore[index]
+                    continue
                 victims = self._victims.take(r, needed, aged, now)  # type: ignore[arg-type]
                 if victims:
                     moves += self._swap_in(p, r, victims, free, now)  # type: ignore[arg-type]
+                    room[key] -= sum(v.context_tokens for v in victims)  # type: ignore[index]
                     break
         return moves
 
@@ -391,6 +400,10 @@ class _Victims:
             entry = self._entry(q, now, False, self._policy.host_room(replica))  # type: ignore[arg-type]
             if entry is not None:
                 insort(pool, entry)
+
+    def room(self, replica: str, aged: bool, now: float) -> int:
+        """Tokens the pool could free on `replica` (an upper bound: stale entries count)."""
+        return sum(entry[2].context_tokens for entry in self._pool(replica, aged, now))
 
     def take(self, replica: str, needed: int, aged: bool, now: float) -> list[Program]:
         """Victims freeing `needed` tokens on `replica`, farthest return first, or [] (a

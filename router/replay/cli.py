@@ -31,6 +31,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     parser.add_argument("--duration", type=float, default=60.0, help="wall seconds to run")
     parser.add_argument(
+        "--programs",
+        type=int,
+        help="stop once this many programs have been replayed (default: run for --duration)",
+    )
+    parser.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -123,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             endpoint=args.endpoint,
             concurrency=args.concurrency,
             duration_s=args.duration,
+            programs=args.programs,
             time_scale=args.time_scale,
             token_scale=args.token_scale,
             seed=args.seed,

@@ -8,9 +8,11 @@ subagents run as extra clients from their `start_s`. Prompts are synthesised by
 
 It measures what `mori sim` measures, as `StepRecord`s reduced by `summarize`: TTFT is
 taken at the first content chunk on the client side (so router gating counts), cached
-tokens come from the answer's usage. Times are on the *trace* clock, wall seconds times
-`time_scale` (a replay at --time-scale 10 against emulators started with --time-scale 10
-reports the same numbers as one run in real time), so results compare with `mori sim`.
+tokens come from the answer: each request asks for SGLang's device/host split
+(`return_cached_tokens_details`) and reads it the way router.accounting does for the
+router. Times are on the *trace* clock, wall seconds times `time_scale` (a replay at
+--time-scale 10 against emulators started with --time-scale 10 reports the same numbers
+as one run in real time), so results compare with `mori sim`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import quote
 
 import httpx
 import openai
 
+from router.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
@@ -51,6 +53,7 @@ class ReplayConfig:
     api_key: str = "none"
     start_jitter_s: float = 5.0  # trace seconds over which clients start
     request_timeout_s: float = 600.0
+    programs: int | None = None  # stop early once this many main programs have finished
 
     def __post_init__(self) -> None:
         checks = {
@@ -59,6 +62,7 @@ class ReplayConfig:
             "time_scale": self.time_scale > 0,
             "token_scale": self.token_scale > 0,
             "start_jitter_s": self.start_jitter_s >= 0,
+            "programs": self.programs is None or self.programs >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -69,6 +73,32 @@ class ReplayConfig:
         """The server root (no /v1)."""
         url = self.endpoint.rstrip("/")
         return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass
+class _Instance:
+    """One replay of a trace program: its request id, task and conversation."""
+
+    pid: str
+    program: TraceProgram
+    parent: _Instance | None = None
+    conversation: Conversation = field(init=False)
+
+    @property
+    def session(self) -> str:
+        """The task: the pid of the root program it runs under."""
+        return self.parent.session if self.parent else self.pid
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The agent role and the parent program, for a router's agent runtime layer
+        (CacheSage); engines ignore them."""
+        out = {}
+        if self.program.agent:
+            out["X-Agent-Role"] = self.program.agent
+        if self.parent is not None:
+            out["X-Parent-Id"] = self.parent.pid
+        return out
 
 
 @dataclass
@@ -96,8 +126,11 @@ class Replay:
         self._util: list[float] = []
         self._tasks: set[asyncio.Task] = set()
         self._live: set[str] = set()  # programs started and not ended
+        self._handoffs: dict[tuple[str, str, int], asyncio.Event] = {}  # steps that ended
         self._crash: BaseException | None = None
         self.labels = (config.policy_label or "unknown", config.cpu_ratio or 0.0)
+        self._claimed = 0  # main programs started
+        self._wall = config.duration_s  # wall seconds the run lasted
 
     # clock ------------------------------------------------------------------------------
     def now(self) -> float:
@@ -110,7 +143,8 @@ class Replay:
 
     # run --------------------------------------------------------------------------------
     async def run(self, on_tick: Callable[[float], None] | None = None) -> RunResult:
-        """Replay for `duration_s` wall seconds; `on_tick(fraction)` about once a second."""
+        """Replay for `duration_s` wall seconds (or until `programs` programs are done, with
+        nothing left in flight); `on_tick(fraction)` about once a second."""
         cfg = self.config
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -134,9 +168,12 @@ class Replay:
                 while (elapsed := time.monotonic() - self._t0) < cfg.duration_s:
                     if self._crash is not None:
                         raise RuntimeError("a replay client crashed") from self._crash
+                    if cfg.programs is not None and not self._tasks:
+                        break
                     if on_tick is not None:
                         on_tick(elapsed / cfg.duration_s)
-                    await asyncio.sleep(min(1.0, cfg.duration_s - elapsed))
+                    await asyncio.sleep(min(0.2, cfg.duration_s - elapsed))
+                self._wall = min(elapsed, cfg.duration_s)
             finally:
                 sampler.cancel()
                 await self._cancel_all()
@@ -146,7 +183,7 @@ class Replay:
 
     def result(self) -> RunResult:
         cfg = self.config
-        trace_duration = cfg.duration_s * cfg.time_scale
+        trace_duration = self._wall * cfg.time_scale
         util = sum(self._util) / len(self._util) if self._util else 0.0
         extra = {
             "endpoint": cfg.endpoint,
@@ -154,7 +191,7 @@ class Replay:
             "token_scale": cfg.token_scale,
             "time_scale": cfg.time_scale,
             "duration_s": trace_duration,
-            "wall_s": cfg.duration_s,
+            "wall_s": self._wall,
             "seed": cfg.seed,
             "failed_steps": sum(not r.ok for r in self.records),
         }
@@ -198,29 +235,50 @@ class Replay:
 
     # clients ----------------------------------------------------------------------------
     async def _slot(self, delay: float) -> None:
-        """One closed-loop client: programs back to back for the whole run."""
+        """One closed-loop client: programs back to back for the whole run (or until the
+        run's `programs` have all been started)."""
         await self._sleep_trace(delay)
-        while True:
+        while self.config.programs is None or self._claimed < self.config.programs:
+            self._claimed += 1
             await self._program(self.corpus.next_main())
 
-    async def _program(self, program: TraceProgram) -> None:
+    async def _program(self, program: TraceProgram, parent: _Instance | None = None) -> None:
         pid = f"{self.run_tag}-{program.program_id}.{self.corpus.next_instance()}"
+        me = _Instance(pid, program, parent)
         for child in self.corpus.subagents(program):
-            self._spawn(self._subagent(child))
-        conversation = Conversation(pid, program.agent, program.anchor_tokens, self.config.seed)
+            self._spawn(self._subagent(child, me))
+        inherited = parent.conversation.messages if parent and program.inherit_tokens else ()
+        me.conversation = Conversation(
+            pid, program.agent, program.anchor_tokens, self.config.seed, program.inherit_tokens
+        )
+        me.conversation.inherit(inherited)
         self._live.add(pid)
         for i, step in enumerate(program.steps):
+            await self._hand_over(me, step)
             reused = step.reused_tokens if i else 0
-            messages = conversation.next_messages(step.input_tokens, reused)
-            conversation.record_answer(await self._step(pid, step, messages))
-            await self._sleep_trace(step.tool_s)
+            messages = me.conversation.next_messages(step.input_tokens, reused)
+            me.conversation.record_answer(await self._step(me, step, messages))
+            self._handoff_event(me.session, program.program_id, i).set()
+            if not (i + 1 < len(program.steps) and program.steps[i + 1].after):
+                await self._sleep_trace(step.tool_s)  # a hand-over is waited for, not slept
         self._live.discard(pid)
+        if parent is None:
+            self._handoffs = {k: v for k, v in self._handoffs.items() if k[0] != me.session}
         self._spawn(self._end(pid))
         self.progress.programs_done += 1
 
-    async def _subagent(self, program: TraceProgram) -> None:
-        await self._sleep_trace(program.start_s)
-        await self._program(program)
+    async def _subagent(self, program: TraceProgram, parent: _Instance) -> None:
+        if not program.steps[0].after:  # starts on a hand-over, not at a nominal time
+            await self._sleep_trace(program.start_s)
+        await self._program(program, parent)
+
+    def _handoff_event(self, session: str, program_id: str, step: int) -> asyncio.Event:
+        return self._handoffs.setdefault((session, program_id, step), asyncio.Event())
+
+    async def _hand_over(self, me: _Instance, step: TraceStep) -> None:
+        """Wait until the steps this one waits for (`after`) have ended in this task."""
+        for program_id, index in step.after:
+            await self._handoff_event(me.session, program_id, index).wait()
 
     async def _end(self, pid: str) -> None:
         """Tell a router the program is over (an engine without the endpoint: ignored)."""
@@ -228,12 +286,13 @@ class Replay:
         with contextlib.suppress(httpx.HTTPError):
             await self.http.post(url, timeout=5.0)
 
-    async def _step(self, pid: str, step: TraceStep, messages: list[dict]) -> str:
+    async def _step(self, me: _Instance, step: TraceStep, messages: list[dict]) -> str:
         """Send one step, stream the answer, record it; returns the answer's text."""
+        pid = me.pid
         arrival = self.now()
         first: float | None = None
         parts: list[str] = []
-        usage: Any = None
+        usage = Usage()
         replica = None
         try:
             raw = await self.api.chat.completions.with_raw_response.create(
@@ -242,7 +301,8 @@ class Replay:
                 max_tokens=max(1, step.output_tokens),
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "program_id": pid},
+                extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
+                extra_headers=me.headers,
             )
             replica = raw.headers.get("x-mori-replica")
             async for chunk in raw.parse():
@@ -250,14 +310,13 @@ class Replay:
                     if first is None:
                         first = self.now()
                     parts.append(chunk.choices[0].delta.content)
-                if chunk.usage is not None:
-                    usage = chunk.usage
+                if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
+                    openai_usage(chunk.to_dict(), usage)
         except (openai.OpenAIError, httpx.HTTPError) as e:
             self._fail(pid, step, arrival, replica, e)
             return "".join(parts)
         finish = self.now()
-        cached_device, cached_host = cached_split(usage)
-        output = usage.completion_tokens if usage is not None else len(parts)
+        hits = usage.hits()
         self.records.append(
             StepRecord(
                 program_id=pid,
@@ -265,14 +324,14 @@ class Replay:
                 arrival_s=arrival,
                 first_token_s=first if first is not None else finish,
                 finish_s=finish,
-                input_tokens=usage.prompt_tokens if usage is not None else step.input_tokens,
-                output_tokens=output,
-                cached_device=cached_device,
-                cached_host=cached_host,
+                input_tokens=_or(usage.prompt_tokens, step.input_tokens),
+                output_tokens=_or(usage.completion_tokens, len(parts)),
+                cached_device=hits.device if hits else 0,
+                cached_host=hits.host if hits else 0,
             )
         )
         self.progress.steps += 1
-        self.progress.output_tokens += output
+        self.progress.output_tokens += self.records[-1].output_tokens
         return "".join(parts)
 
     def _fail(self, pid: str, step: TraceStep, arrival: float, replica, error: Exception) -> None:
@@ -376,18 +435,8 @@ def _utilisation(first: dict, last: dict, samples: list[float]) -> list[float]:
     return [*samples, sum(r[2] for r in last.values()) / capacity] if capacity else samples
 
 
-def cached_split(usage: Any) -> tuple[int, int]:
-    """(device, host) cached prompt tokens from an OpenAI usage object (SGLang's fields);
-    a server that reports only `cached_tokens` counts them as device hits."""
-    details = getattr(usage, "prompt_tokens_details", None)
-    if details is None:
-        return 0, 0
-    split = getattr(details, "cached_tokens_details", None)
-    if split is None and getattr(usage, "model_extra", None):
-        split = usage.model_extra.get("cached_tokens_details")
-    if isinstance(split, dict):
-        return int(split.get("device") or 0), int(split.get("host") or 0)
-    return int(getattr(details, "cached_tokens", 0) or 0), 0
+def _or(reported: int | None, fallback: int) -> int:
+    return fallback if reported is None else reported
 
 
 async def replay(

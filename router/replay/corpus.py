@@ -54,6 +54,37 @@ def scale_program(program: TraceProgram, scale: float) -> TraceProgram:
         limit = steps[-1].input_tokens + steps[-1].output_tokens if steps else 0
         reused = min(round(st.reused_tokens * scale), limit, prompt)
         out = round(st.output_tokens * scale)
-        steps.append(TraceStep(prompt, out, reused, st.tool_s, st.tool))
-    anchor = min(round(program.anchor_tokens * scale), steps[0].input_tokens)
-    return replace(program, steps=tuple(steps), anchor_tokens=anchor)
+        steps.append(replace(st, input_tokens=prompt, output_tokens=out, reused_tokens=reused))
+    first = steps[0].input_tokens
+    anchor = min(round(program.anchor_tokens * scale), first)
+    inherit = min(round(program.inherit_tokens * scale), first)
+    return replace(program, steps=tuple(steps), anchor_tokens=anchor, inherit_tokens=inherit)
+
+
+class HandOffs:
+    """Hand-overs between the programs of one task (`TraceStep.after`): which steps have
+    finished per task instance, and who waits for which. Pure bookkeeping, the replayers
+    (simulator, live replay) decide what waiting means."""
+
+    def __init__(self) -> None:
+        self._done: dict[str, set[tuple[str, int]]] = {}
+        self._waiting: dict[tuple[str, str, int], list] = {}
+
+    def missing(self, session: str, refs: tuple[tuple[str, int], ...]) -> tuple[str, int] | None:
+        """The first of `refs` not finished yet in task instance `session` (None: all are)."""
+        done = self._done.get(session, set())
+        return next((ref for ref in refs if ref not in done), None)
+
+    def park(self, session: str, ref: tuple[str, int], waiter: object) -> None:
+        self._waiting.setdefault((session, *ref), []).append(waiter)
+
+    def finish(self, session: str, program_id: str, step: int) -> list:
+        """Step `step` of `program_id` finished: returns the waiters parked on it."""
+        self._done.setdefault(session, set()).add((program_id, step))
+        return self._waiting.pop((session, program_id, step), [])
+
+    def end(self, session: str) -> None:
+        """The task instance is over: forget it."""
+        self._done.pop(session, None)
+        for key in [k for k in self._waiting if k[0] == session]:
+            del self._waiting[key]

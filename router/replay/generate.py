@@ -26,6 +26,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -36,11 +37,13 @@ from router.replay.trace_stats import Nominal
 PRESET_DIR = Path(__file__).resolve().parents[2] / "traces" / "presets"
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A preset section: unknown keys are errors, values are frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Dist(_Strict):
+class Dist(StrictModel):
     """A lognormal given by its median and log-space sigma, optionally clipped."""
 
     median: float = Field(gt=0)
@@ -63,21 +66,22 @@ class Dist(_Strict):
         return max(lo, round(self.sample(rng)))
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     weight: float = Field(gt=0)
     duration_s: Dist | None = None  # before conditioning on the phase; unused for spawns
     result_tokens: Dist  # tool output appended to the next prompt
     output_tokens: Dist | None = None  # the step that calls it (Write/Edit emit more)
 
 
-class Role(_Strict):
+class Role(StrictModel):
     anchor_tokens: int = Field(ge=0)  # shared system prompt + tool definitions
     steps: Dist
     weight: float = Field(default=1.0, gt=0)  # how often a spawn picks this role
     tools: list[str] | None = None  # allowed tools; None = all but the spawn tool for subagents
 
 
-class Preset(_Strict):
+class Preset(StrictModel):
+    kind: Literal["agent"] = "agent"
     name: str
     description: str = ""
     threshold_s: float = Field(default=2.0, gt=0)
@@ -122,11 +126,11 @@ class Preset(_Strict):
 
 
 def load_preset(name_or_path: str | Path) -> Preset:
-    """A preset by name (traces/presets/NAME.yaml) or by path to a YAML file."""
-    return Preset.model_validate(_preset_dict(name_or_path))
+    """A single-agent preset by name (traces/presets/NAME.yaml) or by path to a YAML file."""
+    return Preset.model_validate(preset_dict(name_or_path))
 
 
-def _preset_dict(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict:
+def preset_dict(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict:
     """The preset's YAML with `base: OTHER` resolved: OTHER's settings, overridden by these."""
     path = Path(name_or_path)
     if not path.suffix:
@@ -142,7 +146,7 @@ def _preset_dict(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict:
         return raw
     if base in seen:
         raise ValueError(f"{path}: preset bases loop through {base!r}")
-    return _merge(_preset_dict(base, (*seen, base)), raw)
+    return _merge(preset_dict(base, (*seen, base)), raw)
 
 
 def _merge(base: dict, override: dict) -> dict:

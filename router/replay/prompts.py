@@ -171,7 +171,9 @@ class Conversation:
     agent: str | None = None
     anchor_tokens: int = 0
     seed: int = 0
+    inherit_tokens: int = 0  # a fork: the first prompt repeats this much of the parent's
     messages: list[Message] = field(default_factory=list)
+    _inherited: list[Message] = field(default_factory=list, init=False)
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -191,10 +193,19 @@ class Conversation:
         )
         return list(self.messages)
 
+    def inherit(self, parent_messages) -> None:
+        """A forked subagent: its first prompt starts with the parent's conversation, cut
+        at `inherit_tokens` tokens (byte-identical, so an engine shares the prefix)."""
+        self._inherited = _cut(list(parent_messages), self.inherit_tokens)
+
     def record_answer(self, text: str) -> None:
         self.messages.append({"role": "assistant", "content": text})
 
     def _first(self, input_tokens: int) -> list[Message]:
+        if self._inherited:
+            shared = count_tokens(render_chat(self._inherited))
+            rest = max(input_tokens - shared, 0)
+            return [*self._inherited, _message_with_tokens("user", rest, self._rng)]
         anchor = min(self.anchor_tokens, input_tokens)
         if anchor <= 0:
             return [_message_with_tokens("user", input_tokens, self._rng)]

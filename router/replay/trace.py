@@ -24,6 +24,9 @@ class TraceStep:
     reused_tokens: int = 0  # prefix shared with the program's previous call
     tool_s: float = 0.0  # gap after this step's response (0 after the last)
     tool: str | None = None
+    # Steps of programs of the same task that must finish before this step is sent (a hand-
+    # over); the gap before it is then those steps' end, and `tool_s` before it is nominal.
+    after: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +36,8 @@ class TraceProgram:
     parent_id: str | None = None
     start_s: float = 0.0  # for subagents: seconds after the parent's start
     agent: str | None = None
-    anchor_tokens: int = 0
+    anchor_tokens: int = 0  # first-prompt prefix shared by every program of this agent role
+    inherit_tokens: int = 0  # first-prompt prefix repeated from the parent's context (a fork)
     extra: dict = field(default_factory=dict)
 
 
@@ -57,6 +61,7 @@ _PROGRAM_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
     "start_s": (_NUMBER, False, 0),
     "agent": ((str, type(None)), False, None),
     "anchor_tokens": ((int,), False, 0),
+    "inherit_tokens": ((int,), False, 0),
     "steps": ((list,), True, None),
 }
 _STEP_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
@@ -65,6 +70,7 @@ _STEP_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
     "reused_tokens": ((int,), False, 0),
     "tool_s": (_NUMBER, False, 0),
     "tool": ((str, type(None)), False, None),
+    "after": ((list,), False, None),
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list"}
 
@@ -92,6 +98,18 @@ def _check_fields(raw: object, spec: dict, where: str, fail) -> None:
             fail(f"{prefix}{name}", "must not be empty")
 
 
+def _parse_after(raw: list, where: str, fail) -> tuple[tuple[str, int], ...]:
+    """`after`: a list of [program_id, step index] pairs."""
+    out = []
+    for ref in raw:
+        ok = isinstance(ref, list) and len(ref) == 2 and isinstance(ref[0], str)
+        ok = ok and isinstance(ref[1], int) and not isinstance(ref[1], bool) and ref[1] >= 0
+        if not ok:
+            fail(f"{where}.after", f"must list [program_id, step index] pairs, got {ref!r:.40}")
+        out.append((ref[0], ref[1]))
+    return tuple(out)
+
+
 def _parse_steps(raw_steps: list, fail) -> tuple[TraceStep, ...]:
     if not raw_steps:
         fail("steps", "a program needs at least one step")
@@ -102,7 +120,7 @@ def _parse_steps(raw_steps: list, fail) -> tuple[TraceStep, ...]:
         unknown = sorted(set(raw) - set(_STEP_FIELDS))
         if unknown:
             fail(f"{where}.{unknown[0]}", f"unknown step field (known: {', '.join(_STEP_FIELDS)})")
-        step = TraceStep(**raw)
+        step = TraceStep(**{**raw, "after": _parse_after(raw.get("after", []), where, fail)})
         reused = f"{where}.reused_tokens"
         # The reused prefix is part of this prompt and was in the previous call's KV.
         limit = 0 if not steps else steps[-1].input_tokens + steps[-1].output_tokens
@@ -132,8 +150,13 @@ def parse_program(raw: object, path: str | Path = "<trace>", line: int | None = 
     known = {k: raw[k] for k in _PROGRAM_FIELDS if k in raw and k != "steps"}
     extra = {k: v for k, v in raw.items() if k not in _PROGRAM_FIELDS}
     program = TraceProgram(steps=steps, extra=extra, **known)
-    if program.anchor_tokens > steps[0].input_tokens:
-        fail("anchor_tokens", f"{program.anchor_tokens} > first prompt {steps[0].input_tokens}")
+    for name in ("anchor_tokens", "inherit_tokens"):
+        if getattr(program, name) > steps[0].input_tokens:
+            fail(name, f"{getattr(program, name)} > first prompt {steps[0].input_tokens}")
+    if program.inherit_tokens and program.parent_id is None:
+        fail("inherit_tokens", "only a subagent (with a parent_id) inherits a prefix")
+    if program.inherit_tokens and program.anchor_tokens:
+        fail("inherit_tokens", "a forked prompt starts with its parent's context, not an anchor")
     if program.parent_id == program.program_id:
         fail("parent_id", "a program cannot be its own parent")
     return program
@@ -148,15 +171,77 @@ def _check_links(programs: list[TraceProgram], lines: list[int], path: str | Pat
             raise TraceError(path, line, "program_id", f"duplicate of line {first}")
         seen[program.program_id] = line
     parents = {p.program_id: p.parent_id for p in programs}
+    contexts = {p.program_id: _peak(p) for p in programs}
     for program, line in zip(programs, lines, strict=True):
         if program.parent_id is not None and program.parent_id not in parents:
             raise TraceError(path, line, "parent_id", f"no program {program.parent_id!r} in file")
+        if program.inherit_tokens > contexts.get(program.parent_id, 0):  # type: ignore[arg-type]
+            reason = f"{program.inherit_tokens} > the parent's largest context"
+            raise TraceError(path, line, "inherit_tokens", reason)
         chain, node = {program.program_id}, program.parent_id
         while node is not None:
             if node in chain:
                 raise TraceError(path, line, "parent_id", f"parent chain loops through {node!r}")
             chain.add(node)
             node = parents[node]
+    _check_after(programs, lines, path, parents)
+
+
+def _root(pid: str, parents: dict[str, str | None]) -> str:
+    while parents[pid] is not None:
+        pid = parents[pid]  # type: ignore[assignment]
+    return pid
+
+
+def _check_after(
+    programs: list[TraceProgram], lines: list[int], path: str | Path, parents: dict
+) -> None:
+    """Every `after` names a step of a program of the same task (root), and the steps with
+    their hand-overs form no cycle (a replay would wait forever)."""
+    by_id = {p.program_id: p for p in programs}
+    waits: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for program, line in zip(programs, lines, strict=True):
+        for i, step in enumerate(program.steps):
+            for ref in step.after:
+                other = by_id.get(ref[0])
+                field = f"steps[{i}].after"
+                if other is None or _root(ref[0], parents) != _root(program.program_id, parents):
+                    raise TraceError(path, line, field, f"{ref[0]!r} is not a program of this task")
+                if ref[1] >= len(other.steps):
+                    raise TraceError(path, line, field, f"{ref[0]!r} has no step {ref[1]}")
+                waits.setdefault((program.program_id, i), []).append(ref)
+    if waits:
+        _acyclic(by_id, waits, path)
+
+
+def _acyclic(by_id: dict, waits: dict, path: str | Path) -> None:
+    """Kahn's algorithm over the steps of the programs involved: each step follows its
+    program's previous step and the steps it waits for."""
+    involved = {pid for pid, _ in waits} | {ref[0] for refs in waits.values() for ref in refs}
+    preds: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for pid in involved:
+        for i in range(len(by_id[pid].steps)):
+            preds[pid, i] = ([(pid, i - 1)] if i else []) + waits.get((pid, i), [])
+    pending = {node: len(p) for node, p in preds.items()}
+    follows: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for node, p in preds.items():
+        for before in p:
+            follows.setdefault(before, []).append(node)
+    ready = [node for node, n in pending.items() if n == 0]
+    while ready:
+        for node in follows.get(ready.pop(), []):
+            pending[node] -= 1
+            if pending[node] == 0:
+                ready.append(node)
+    stuck = sorted(node for node, n in pending.items() if n > 0)
+    if stuck:
+        pid, i = stuck[0]
+        raise TraceError(path, None, f"{pid} steps[{i}].after", "hand-overs wait in a cycle")
+
+
+def _peak(program: TraceProgram) -> int:
+    """The program's largest context (prompt + output of one step)."""
+    return max(s.input_tokens + s.output_tokens for s in program.steps)
 
 
 def parse_lines(lines: Iterable[str], path: str | Path = "<trace>") -> list[TraceProgram]:
@@ -195,8 +280,12 @@ def program_to_dict(program: TraceProgram) -> dict:
         out["agent"] = program.agent
     if program.anchor_tokens:
         out["anchor_tokens"] = program.anchor_tokens
+    if program.inherit_tokens:
+        out["inherit_tokens"] = program.inherit_tokens
     out.update(program.extra)
-    out["steps"] = [{k: v for k, v in asdict(s).items() if v is not None} for s in program.steps]
+    out["steps"] = [
+        {k: v for k, v in asdict(s).items() if v is not None and v != ()} for s in program.steps
+    ]
     return out
 
 

@@ -11,9 +11,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from router.replay.generate import generate, load_preset
+from router.replay.generators import generate, load_preset
 from router.replay.trace import dump_trace, load_trace
-from router.replay.trace_stats import MORI_TARGETS, Nominal, trace_stats
+from router.replay.trace_stats import CACHESAGE_TARGETS, MORI_TARGETS, Nominal, trace_stats
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     gen = sub.add_parser("generate", help="write a synthetic corpus from a generator preset")
     gen.add_argument("--preset", default="claude-code", help="name in traces/presets or a path")
-    gen.add_argument("--programs", type=int, default=200, help="main programs (plus subagents)")
+    gen.add_argument(
+        "--programs", type=int, default=200, help="main programs or tasks (plus subagents)"
+    )
     gen.add_argument("--seed", type=int, default=0, help="same preset + seed = same corpus")
     gen.add_argument("--out", type=Path, required=True, help="output JSONL file")
 
@@ -87,11 +89,12 @@ def _stats(args: argparse.Namespace) -> int:
     table.add_column("statistic")
     for name in results:
         table.add_column(Path(name).name, justify="right")
-    table.add_column("MORI §3", justify="right", style="dim")
+    table.add_column("MORI §3 / CacheSage §3.1", justify="right", style="dim")
     columns = [s.rows() for s in results.values()]
     for i, (key, label, _) in enumerate(columns[0]):
         target = MORI_TARGETS.get(key)
         shown = "" if target is None else (f"{target:.0%}" if target < 1 else f"{target:g} s")
+        shown = CACHESAGE_TARGETS.get(key, shown)
         table.add_row(label, *(col[i][2] for col in columns), shown)
     Console().print(table)
     return 0

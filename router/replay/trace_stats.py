@@ -8,11 +8,20 @@ inference time, so each step is given a nominal one, `ttft_s + output_tokens / d
 by default 1 s + output at 80 tok/s, about 3 s for a typical step (a small model on one
 modern GPU; Claude's API steps take ~5 s). The generator uses the same nominal time for
 subagent lifetimes, so its corpora and these statistics agree with each other.
+
+Multi-agent statistics (CacheSage §3.1): a main program whose step tools name its subagents'
+roles is a *task* dispatching speaker turns (`router.replay.multiagent`); over the speaker
+sequences of all tasks, R = 1 - H(A_t+1 | A_t) / H(A_t+1) (plug-in entropies of the observed
+transitions: 0 = the next speaker is unpredictable from the current one, 1 = determined).
+The *anchor share* is a program's anchor (its role's shared prefix) over its first prompt,
+averaged over the programs that have one.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +35,12 @@ MORI_TARGETS = {
     "busy_p50_s": 20.0,
     "busy_p90_s": 81.0,
     "long_p99_s": 20.0,
+}
+# CacheSage section 3.1 / 4 (five workloads, 50 tasks each), as shown beside the table.
+CACHESAGE_TARGETS = {
+    "transition_r": "0.40-0.48",
+    "anchor_share": "0.34-0.52",
+    "turns": "950-1,400 / 50 tasks",
 }
 
 
@@ -66,6 +81,11 @@ class TraceStats:
     peak_context_max: int
     reused_share: float
     top_tools: str
+    tasks: int = 0  # main programs that dispatch turns to their subagents' roles
+    turns: int = 0
+    agents: int = 0  # distinct roles that took turns
+    transition_r: float = float("nan")
+    anchor_share: float = float("nan")
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(key, label, formatted value) in display order."""
@@ -90,7 +110,67 @@ class TraceStats:
             ("peak_context_max", "peak context max (tokens)", tok(self.peak_context_max)),
             ("reused_share", "prompt tokens reused", pct(self.reused_share)),
             ("top_tools", "top tools", self.top_tools or "-"),
+            ("tasks", "multi-agent tasks", f"{self.tasks:,}" if self.tasks else "-"),
+            (
+                "turns",
+                "speaker turns (roles)",
+                f"{self.turns:,} ({self.agents})" if self.tasks else "-",
+            ),
+            ("transition_r", "next-speaker R", _maybe(self.transition_r, "{:.2f}")),
+            ("anchor_share", "anchor share of first prompts", _maybe(self.anchor_share, "{:.2f}")),
         ]
+
+    def _turns(self) -> str:
+        return f"{self.turns:,} ({self.agents})" if self.tasks else "-"
+
+
+def _maybe(value: float, fmt: str) -> str:
+    return "-" if math.isnan(value) else fmt.format(value)
+
+
+def speaker_sequences(programs: list[TraceProgram]) -> list[list[str]]:
+    """Per task (a main program dispatching to its subagents' roles), the roles in turn
+    order: its step tools that name one of its subagents' `agent`s."""
+    roles: dict[str, set[str]] = {}
+    for p in programs:
+        if p.parent_id is not None and p.agent:
+            roles.setdefault(p.parent_id, set()).add(p.agent)
+    out = []
+    for p in programs:
+        mine = roles.get(p.program_id)
+        seq = [s.tool for s in p.steps if mine and s.tool in mine]
+        if seq:
+            out.append(seq)  # type: ignore[arg-type]
+    return out
+
+
+def _entropy(counts: Iterable[int]) -> float:
+    counts = [c for c in counts if c > 0]
+    total = sum(counts)
+    return -sum(c / total * math.log2(c / total) for c in counts) if total else 0.0
+
+
+def entropy_reduction(rows: Mapping[str, Mapping[str, int]]) -> float:
+    """R = 1 - H(next | current) / H(next) of transition counts `rows[current][next]`
+    (plug-in entropies); NaN when the next agent never varies."""
+    nexts: Counter[str] = Counter()
+    for row in rows.values():
+        nexts.update(row)
+    h_next = _entropy(nexts.values())
+    if h_next == 0:
+        return float("nan")
+    total = sum(nexts.values())
+    h_cond = sum(sum(row.values()) / total * _entropy(row.values()) for row in rows.values())
+    return 1 - h_cond / h_next
+
+
+def transition_r(sequences: list[list[str]]) -> float:
+    """R over the consecutive pairs of every sequence (see `entropy_reduction`)."""
+    rows: dict[str, Counter[str]] = {}
+    for seq in sequences:
+        for a, b in zip(seq, seq[1:], strict=False):
+            rows.setdefault(a, Counter())[b] += 1
+    return entropy_reduction(rows)
 
 
 def busy_phases_s(program: TraceProgram, threshold_s: float, nominal: Nominal) -> list[float]:
@@ -125,6 +205,8 @@ def trace_stats(
     peaks = [max(s.input_tokens + s.output_tokens for s in p.steps) for p in programs]
     tools = Counter(s.tool for p in programs for s in p.steps[:-1] if s.tool)
     total_input = sum(s.input_tokens for p in programs for s in p.steps)
+    sequences = speaker_sequences(programs)
+    shares = [p.anchor_tokens / p.steps[0].input_tokens for p in programs if p.anchor_tokens]
     return TraceStats(
         programs=len(programs),
         subagents=sum(p.parent_id is not None for p in programs),
@@ -146,4 +228,9 @@ def trace_stats(
         peak_context_max=max(peaks, default=0),
         reused_share=sum(s.reused_tokens for p in programs for s in p.steps) / total_input,
         top_tools=", ".join(f"{t} {n / sum(tools.values()):.0%}" for t, n in tools.most_common(3)),
+        tasks=len(sequences),
+        turns=sum(len(seq) for seq in sequences),
+        agents=len({a for seq in sequences for a in seq}),
+        transition_r=transition_r(sequences),
+        anchor_share=sum(shares) / len(shares) if shares else float("nan"),
     )

@@ -175,7 +175,7 @@ def message(chat: dict[str, Any]) -> dict[str, Any]:
             {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": _args(fn)}
         )
     u = chat["usage"]
-    cached = u["prompt_tokens_details"]["cached_tokens"]
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # left out at 0
     return {
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",

@@ -39,6 +39,7 @@ class Scenario:
     concurrency: list[int] = field(default_factory=lambda: [20, 50, 80])
     cpu_ratio: list[float] = field(default_factory=lambda: [1.0, 2.0])
     policy: dict = field(default_factory=dict)  # PolicyConfig overrides (tick_s, window...)
+    gpu_tokens: int | None = None  # device KV budget per replica (None: the preset's)
     description: str = ""
 
 
@@ -110,6 +111,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, help="virtual seconds per cell (default 3600)")
     parser.add_argument("--token-scale", type=float, help="multiply every token count")
     parser.add_argument("--replicas", type=int, help="replicas (default: the scenario's)")
+    parser.add_argument(
+        "--gpu-tokens", type=int, help="device KV budget per replica (default: the preset's)"
+    )
     parser.add_argument("--window", type=int, help="idleness window W (cycles)")
     parser.add_argument("--seed", type=int, help="corpus order and start jitter")
     parser.add_argument(
@@ -133,7 +137,7 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
     for attr, key in (("duration", "duration_s"), ("token_scale", "token_scale")):
         if getattr(args, attr) is not None:
             setattr(sc, key, getattr(args, attr))
-    for key in ("replicas", "seed", "trace", "policies", "concurrency", "cpu_ratio"):
+    for key in ("replicas", "seed", "trace", "policies", "concurrency", "cpu_ratio", "gpu_tokens"):
         if getattr(args, key) is not None:
             setattr(sc, key, getattr(args, key))
     if args.window is not None:
@@ -155,6 +159,7 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
             seed=sc.seed,
             start_jitter_s=sc.start_jitter_s,
             policy_config=dict(sc.policy),
+            gpu_tokens=sc.gpu_tokens,
         )
         for ratio, conc, policy in itertools.product(sc.cpu_ratio, sc.concurrency, sc.policies)
     ]
@@ -204,6 +209,8 @@ def run(args) -> int:
         console.print(f"[red]mori sim: {e}[/red]")
         return 2
     title = f"{sc.preset} x{sc.replicas}, {Path(sc.trace).name}, {sc.duration_s:g} s"
+    if sc.gpu_tokens:
+        title += f", GPU KV {sc.gpu_tokens:,} tokens"
     if sc.token_scale != 1.0:
         title += f", tokens x{sc.token_scale:g}"
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
@@ -223,7 +230,7 @@ def run(args) -> int:
     if args.json_out:
         meta = {"scenario": str(args.scenario), "trace": sc.trace, "preset": sc.preset}
         meta.update(replicas=sc.replicas, duration_s=sc.duration_s, token_scale=sc.token_scale)
-        meta.update(seed=sc.seed, policy_config=sc.policy)
+        meta.update(seed=sc.seed, policy_config=sc.policy, gpu_tokens=sc.gpu_tokens)
         for path in write_reports(results, args.json_out, title, meta):
             console.print(f"wrote {path}")
     return 0

@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.accounting import CACHE_DETAILS_FLAG
 from router.errors import ApiError
 from router.policy.types import EngineMode, Hint
 from router.replay import prompts
@@ -58,12 +59,14 @@ class Job:
     chat: bool
     stream: bool
     include_usage: bool
+    cache_details: bool  # the request set return_cached_tokens_details
     prompt_text: str
     input_tokens: int
     output_tokens: int
     model: str
     tool_call: dict | None  # {"name", "arguments"} when the answer is a tool call
     finish_reason: str  # "length" when max_tokens cut the answer, else "stop"
+    anchor_chars: int = 0  # the prompt's leading tools + system messages (an agent's anchor)
 
 
 def _need(cond: bool, message: str, param: str | None = None) -> None:
@@ -156,6 +159,20 @@ def _tool_call_of(body: dict) -> dict | None:
     return {"name": name, "arguments": {p: "x" for p in required}}
 
 
+def _anchor_chars(body: dict, chat: bool) -> int:
+    """Length of the prompt's anchor: the tools and the leading system / developer
+    messages, which every session of an agent role repeats byte for byte."""
+    if not chat:
+        return 0
+    head = prompts.render_chat([], body.get("tools"))
+    lead = []
+    for m in body["messages"]:
+        if m.get("role") not in ("system", "developer"):
+            break
+        lead.append(m)
+    return len(head) + sum(len(prompts.render_message(m)) for m in lead)
+
+
 def parse_job(body: Any, chat: bool, model_name: str) -> Job:
     """Validate an OpenAI request body (400 on anything the emulator cannot serve)."""
     _need(isinstance(body, dict), "the request body must be a JSON object")
@@ -180,12 +197,14 @@ def parse_job(body: Any, chat: bool, model_name: str) -> Job:
         chat=chat,
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        cache_details=body.get(CACHE_DETAILS_FLAG) is True,
         prompt_text=prompt_text,
         input_tokens=prompts.count_tokens(prompt_text),
         output_tokens=output,
         model=model,
         tool_call=_tool_call_of(body) if chat else None,
         finish_reason="length" if output == max_tokens else "stop",
+        anchor_chars=_anchor_chars(body, chat),
     )
 
 
@@ -283,7 +302,13 @@ class EmulatedReplica:
         while len(self.contexts) > PROGRAM_MEMORY:
             self.contexts.popitem(last=False)
         self.engine.submit(
-            job.rid, job.program_id, job.input_tokens, job.output_tokens, self._clock(), reused
+            job.rid,
+            job.program_id,
+            job.input_tokens,
+            job.output_tokens,
+            self._clock(),
+            reused,
+            _anchor(job),
         )
         self._wake.set()
         return flight
@@ -314,12 +339,21 @@ class EmulatedReplica:
         return min(self.engine.generated(flight.job.rid, self.now()), flight.job.output_tokens)
 
     # hints ----------------------------------------------------------------------------
-    def apply_hints(self, epoch: int, full: bool, hints: dict[str, str]) -> dict:
+    def apply_hints(
+        self,
+        epoch: int,
+        full: bool,
+        hints: dict[str, str],
+        scores: dict[str, float] | None = None,
+        agents: dict[str, str] | None = None,
+    ) -> dict:
         if epoch < self.epoch:
             return {"epoch": epoch, "stale": True, "residency": {}}
         self.epoch = epoch
         typed = {pid: Hint(h) for pid, h in hints.items()}
         residency = self.engine.apply_hints(typed, self._clock(), full)
+        if scores is not None or agents:
+            self.engine.apply_scores(scores or self.engine.tree.scores, agents, self._clock())
         self._wake.set()
         return {
             "epoch": epoch,
@@ -336,7 +370,19 @@ class EmulatedReplica:
             "device_active_token_seconds": self._active_area,
             "engine_time_s": self._area_t,
             "programs": self.engine.programs(),
+            "anchor_scores": dict(self.engine.tree.scores),
         }
+
+
+def _anchor(job: Job) -> cost_model.SharedPrefix | None:
+    """The anchor a program without cached context shares with every program that sends
+    the same tools and system prompt (named by their hash): stored once, as in SGLang."""
+    tokens = job.anchor_chars // prompts.CHARS_PER_TOKEN
+    if tokens <= 0 or tokens > job.input_tokens:
+        return None
+    text = job.prompt_text[: tokens * prompts.CHARS_PER_TOKEN]
+    key = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return cost_model.SharedPrefix(tokens, anchor=key)
 
 
 def _answer_text(job: Job) -> str:
@@ -352,17 +398,26 @@ def _answer_text(job: Job) -> str:
 
 # --- OpenAI answers ---------------------------------------------------------------------
 def _usage(flight: Flight, completion_tokens: int) -> dict:
+    """SGLang's usage with --enable-cache-report: the cached total (left out when 0), no
+    device/host split."""
     job = flight.job
-    cached = flight.cached_device + flight.cached_host
-    return {
+    usage = {
         "prompt_tokens": job.input_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": job.input_tokens + completion_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": cached,
-            "cached_tokens_details": {"device": flight.cached_device, "host": flight.cached_host},
-        },
     }
+    if cached := flight.cached_device + flight.cached_host:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _sglext(flight: Flight) -> dict:
+    """SGLang's `sglext` field: the device/host split, only when the request asked for it
+    and something was cached (router/accounting.py reads it)."""
+    if not flight.job.cache_details or not flight.cached_device + flight.cached_host:
+        return {}
+    split = {"device": flight.cached_device, "host": flight.cached_host}
+    return {"sglext": {"cached_tokens_details": split}}
 
 
 def _finish_reason(flight: Flight) -> str:
@@ -407,17 +462,20 @@ def full_answer(flight: Flight, created: int) -> dict:
     else:
         choice = {"index": 0, "text": text, "finish_reason": _finish_reason(flight)}
         kind = "text_completion"
-    return {**_base(job, created, kind), "choices": [choice], "usage": _usage(flight, n)}
+    answer = {**_base(job, created, kind), "choices": [choice], "usage": _usage(flight, n)}
+    return answer | _sglext(flight)
+
+
+def _sse(doc: dict) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _chunk(job: Job, created: int, delta: dict | None, text: str, finish: str | None) -> bytes:
     if job.chat:
         choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
-        doc = {**_base(job, created, "chat.completion.chunk"), "choices": [choice]}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        doc = {**_base(job, created, "text_completion"), "choices": [choice]}
-    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+        return _sse({**_base(job, created, "chat.completion.chunk"), "choices": [choice]})
+    choice = {"index": 0, "text": text, "finish_reason": finish}
+    return _sse({**_base(job, created, "text_completion"), "choices": [choice]})
 
 
 async def _pieces(replica: EmulatedReplica, flight: Flight) -> AsyncIterator[str]:
@@ -455,12 +513,12 @@ async def stream_answer(
         if job.tool_call is not None and not flight.aborted:
             yield _chunk(job, created, {"tool_calls": _tool_calls(job)}, "", None)
         yield _chunk(job, created, {}, "", _finish_reason(flight))
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
+        if ext := _sglext(flight):  # its own chunk before the usage chunk, as SGLang sends it
+            yield _sse({**_base(job, created, kind), "choices": [], **ext})
         if job.include_usage:
-            doc = {
-                **_base(job, created, "chat.completion.chunk" if job.chat else "text_completion")
-            }
-            doc.update(choices=[], usage=_usage(flight, chars // prompts.CHARS_PER_TOKEN))
-            yield b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+            usage = _usage(flight, chars // prompts.CHARS_PER_TOKEN)
+            yield _sse({**_base(job, created, kind), "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
     finally:
         replica.finish(flight)
@@ -606,13 +664,27 @@ def create_app(replica: EmulatedReplica) -> FastAPI:
         _need(isinstance(batch, dict), "hints must be an object: program id -> type", "hints")
         for pid, hint in batch.items():
             _need(hint in HINT_VALUES, f"hint for {pid!r} must be one of {HINT_VALUES}", "hints")
-        return replica.apply_hints(epoch, full, batch)
+        scores, agents = body.get("scores"), body.get("agents") or {}
+        _need(scores is None or _is_scores(scores), "scores must map agents to 0..1", "scores")
+        _need(_is_names(agents), "agents must map program ids to agent names", "agents")
+        return replica.apply_hints(epoch, full, batch, scores, agents)
 
     @app.get("/mori/residency")
     async def residency() -> dict:
         return replica.residency()
 
     return app
+
+
+def _is_scores(scores: Any) -> bool:
+    return isinstance(scores, dict) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1
+        for v in scores.values()
+    )
+
+
+def _is_names(agents: Any) -> bool:
+    return isinstance(agents, dict) and all(isinstance(v, str) and v for v in agents.values())
 
 
 # --- CLI --------------------------------------------------------------------------------

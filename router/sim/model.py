@@ -5,36 +5,52 @@ HTTP replica emulator (`router.sim.emulator`, wall clock). Both drive it the sam
 engine never reads a clock, every call passes `now` (seconds, non-decreasing):
 
     engine = ReplicaEngine(preset, EngineMode("typed", True), gpu_tokens, host_tokens)
-    engine.submit(rid, program_id, input_tokens, output_tokens, now)   # request arrives
+    engine.submit(rid, program_id, input_tokens, output_tokens, now,
+                  reused_tokens=None, prefix=SharedPrefix(8000, anchor="main"))
     t = engine.next_event_time()       # when to call advance next (None: nothing scheduled)
     for ev in engine.advance(now):     # FirstToken(rid, t, cached_device, cached_host)
         ...                            # Done(rid, t, ok)
     engine.generated(rid, now)         # tokens decoded so far (streaming)
     engine.abort(rid, now)             # client gone
     engine.apply_hints({pid: Hint.IDLE}, now, full=False) -> {pid: (device, host)}
+    engine.apply_scores({"Planner": 0.9}, {pid: "Planner"}, now)   # CacheSage survival
+    engine.warm("Planner", 1400, now)  # warm an anchor between steps (load back or prefill)
     engine.residency(pid) -> (device_tokens, host_tokens)
     engine.usage() -> dict             # capacities, used tokens, running / queued counts
 
 Every mutating call first runs the engine up to `now`; events produced on the way are kept
 and returned by the next `advance`, so none is lost whatever the calling order.
 
-Cache model (per program, not per radix node): a program's last context (prompt + output)
-is the prefix of its next prompt. Its KV is a prefix on device (`dev` tokens) and a prefix
-on host DRAM (`host` tokens, HiCache write-through: every finished request's context is
-backed up to host). A request hits `min(dev, prompt)` on device, then host tokens beyond
-that (loaded over PCIe), and recomputes the rest (prefill). Eviction takes tokens off the
-end of a program's prefix, like leaf-first radix eviction. As in HiRadixCache, the host only
-evicts host-only tokens (`host - dev`: their device copy is gone); a backup of tokens still
-on device is kept, so a full host refuses (the rest of) a write-through, and device tokens
-without a backup are dropped when evicted (backup is retried when the program's next
-request leaves the batch, as SGLang retries it on the next insert through the node):
+Cache model (`router.sim.kv_tree`): a radix tree of token segments shared across the
+programs of the replica. A program's context is a path from the root; its last context
+(prompt + output) is the prefix of its next prompt up to `reused_tokens`, and a program
+without a cached path starts from a `SharedPrefix`: its agent role's anchor (system prompt +
+tools, stored once for every program of the role) or the first tokens of its parent's
+context (a forked subagent). Each node holds a prefix of its tokens on device and a prefix
+on host (HiCache write-through: every finished request's context is backed up to host). A
+request hits the device prefix of its path, then host tokens beyond that (loaded over
+PCIe), and recomputes the rest (prefill). Eviction is leaf-first, taking tokens off the
+end of a segment. As in HiRadixCache, the host only evicts host-only tokens (their device
+copy is gone); a backup of tokens still on device is kept, so a full host refuses (the rest
+of) a write-through, and device tokens without a backup are dropped when evicted (backup is
+retried when the program's next request leaves the batch, as SGLang retries it on the next
+insert through the node). A prompt that leaves the program's previous context early drops
+the stale tail at once (SGLang keeps it as an evictable branch no one reuses).
 
 - `lru` (stock SGLang): least recently used first on both tiers; hints are ignored.
-- `typed` (MORI patch): both tiers evict inactive, then idle, then busy; LRU within a type.
-  Hints act at once: `idle` drops the device copy if it is all backed up (a device-only
-  suffix pins it, as in the patch), `busy` loads host tokens back to device ahead of the next
-  request (costing PCIe time), `inactive` only ranks the program first to go. Busy-typed
-  requests are admitted before others.
+- `typed` (MORI patch): both tiers evict inactive, then idle, then busy (a shared segment
+  takes its users' most protective type), then by CacheSage survival score (anchors only,
+  when the router pushes scores), then LRU. Hints act at once: `idle` drops the device copy
+  of the program's own segments if they are backed up (a device-only suffix or a shared
+  segment pins them, as in the patch), `busy` loads host tokens back to device ahead of the
+  next request (costing PCIe time), `inactive` only ranks the program first to go.
+  Busy-typed requests are admitted before others.
+
+Warm-up (CacheSage prefetch): `warm` brings an anchor to device ahead of its role's next
+request, never at a waiting request's expense: not while a request is queued, and making
+room only from segments that eviction would take before the anchor itself. A host copy is
+loaded back over PCIe; with none, the anchor is prefilled once the engine has nothing to
+admit. Loaded tokens count as host hits when used (like a busy hint's load-back).
 
 Timing: prefill batches stall decode (SGLang runs prefill and decode batches in turn, no
 mixed chunks by default). A prefill batch lasts max(compute of the new tokens, the PCIe
@@ -55,23 +71,10 @@ import math
 from dataclasses import dataclass, field
 
 from router.policy.types import EngineMode, Hint
+from router.sim.kv_tree import RANK, KVTree, Node, SharedPrefix
 from router.sim.presets import Preset
 
-# Eviction rank per hint: lower goes first. Unhinted programs rank as busy (stock behaviour
-# for programs the router never typed). The host uses the device order, not the paper's
-# inactive-busy-idle: host victims are host-only tokens, a program's only copy, and a busy
-# program's are the ones its busy hint is loading back (docs/policy.md, "Typed eviction").
-_DEVICE_RANK = {Hint.INACTIVE: 0, Hint.IDLE: 1, Hint.BUSY: 2}
-_HOST_RANK = _DEVICE_RANK
-
-
-def _on_device(e: _Entry) -> int:
-    return e.dev
-
-
-def _host_only(e: _Entry) -> int:
-    """Host tokens whose device copy is gone: the only host tokens HiCache may evict."""
-    return max(0, e.host - e.dev)
+__all__ = ["CostModel", "Done", "FirstToken", "ReplicaEngine", "SharedPrefix"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,19 +139,6 @@ class CostModel:
 
 
 @dataclass(slots=True)
-class _Entry:
-    """Cached KV of one program on this replica."""
-
-    dev: int = 0
-    host: int = 0
-    hint: Hint = Hint.BUSY
-    last_use: float = 0.0
-    running: str | None = None  # rid of the request holding it (locked on device)
-    ready_at: float = 0.0  # a hint-driven load-back lands at this time
-    prefetched: int = 0  # device tokens that came from host by a busy hint, not yet used
-
-
-@dataclass(slots=True)
 class _Request:
     rid: str
     program_id: str
@@ -156,11 +146,13 @@ class _Request:
     output_tokens: int
     arrival: float
     reused_limit: int | None
+    prefix: SharedPrefix | None = None
     generated: int = 0
     dev_hit: int = 0  # prefix found on device at admission
     host_hit: int = 0  # prefix loaded from host at admission
     cached: tuple[int, int] = (0, 0)  # reported (device, host): prefetched tokens count as host
     aborted: bool = False
+    path: list[Node] = field(default_factory=list)  # its context's nodes, locked on device
 
 
 @dataclass(slots=True)
@@ -201,6 +193,7 @@ class _Decode:
 class _Prefill:
     end: float
     batch: list[_Request] = field(default_factory=list)
+    warm: Node | None = None  # a warm-up prefill of an anchor (no request)
 
 
 class ReplicaEngine:
@@ -213,19 +206,24 @@ class ReplicaEngine:
         self.mode = mode
         self.gpu_tokens = int(gpu_tokens)
         self.host_tokens = int(host_tokens) if mode.host_tier else 0
-        self._entries: dict[str, _Entry] = {}
+        self._typed = mode.eviction == "typed"
+        self.tree = KVTree(self.gpu_tokens, self.host_tokens, self._typed)
         self._requests: dict[str, _Request] = {}
         self._queue: list[_Request] = []
         self._running: list[_Request] = []
+        self._warm: list[tuple[str, int]] = []  # anchors to prefill once nothing else can run
         self._phase: _Prefill | _Decode | None = None
         self._t = 0.0  # engine clock: where the current phase starts or the last one ended
         self._events: list[EngineEvent] = []
-        self._dev_used = 0
-        self._host_used = 0
-        self._active = 0  # device tokens reserved by running requests
         self._pcie_free_at = 0.0
-        self._protected: str | None = None  # program being admitted: its hits are locked
-        self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_tokens": 0, "loaded_tokens": 0}
+        self.stats = {
+            "prefill_s": 0.0,
+            "decode_s": 0.0,
+            "prefill_tokens": 0,
+            "loaded_tokens": 0,
+            "warm_loaded_tokens": 0,
+            "warm_prefill_tokens": 0,
+        }
 
     # protocol ---------------------------------------------------------------------------
     def submit(
@@ -236,13 +234,18 @@ class ReplicaEngine:
         output_tokens: int,
         now: float,
         reused_tokens: int | None = None,
+        prefix: SharedPrefix | None = None,
     ) -> None:
-        """Queue a request. `reused_tokens` (optional) caps the prefix it may reuse, for
-        traces whose prompt shares less than the whole previous context."""
+        """Queue a request. `reused_tokens` (optional) caps the prefix of the program's own
+        cached context it may reuse, for traces whose prompt shares less than the whole
+        previous context; `prefix` says what it shares with other programs when it has no
+        cached context of its own (see `SharedPrefix`)."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already submitted")
         self._run(now)
-        req = _Request(rid, program_id, int(input_tokens), int(output_tokens), now, reused_tokens)
+        req = _Request(
+            rid, program_id, int(input_tokens), int(output_tokens), now, reused_tokens, prefix
+        )
         self._requests[rid] = req
         if req.input_tokens + req.output_tokens > self.gpu_tokens:
             self._finish(req, now, ok=False)
@@ -260,9 +263,7 @@ class ReplicaEngine:
         """When the current prefill or decode run ends (an event may or may not follow)."""
         if self._events:
             return self._t
-        if isinstance(self._phase, _Prefill):
-            return self._phase.end
-        if isinstance(self._phase, _Decode):
+        if self._phase is not None:
             return self._phase.end
         return None
 
@@ -293,39 +294,74 @@ class ReplicaEngine:
     ) -> dict[str, tuple[int, int]]:
         """Type programs (typed mode acts on them; lru mode only records residency)."""
         self._run(now)
-        if self.mode.eviction == "typed":
+        if self._typed:
             if full:
-                for pid, e in self._entries.items():
-                    if pid not in hints:
-                        e.hint = Hint.INACTIVE
+                for pid in [p for p in self.tree.entries if p not in hints]:
+                    self.tree.set_hint(pid, Hint.INACTIVE)
             for pid, hint in hints.items():
                 self._apply_hint(pid, Hint(hint), now)
             self._interrupt(now)
             self._kick(now)
         return {pid: self.residency(pid) for pid in hints}
 
+    def apply_scores(
+        self, scores: dict[str, float], agents: dict[str, str] | None, now: float
+    ) -> None:
+        """CacheSage: survival scores per agent role (they replace the previous ones) and
+        the role of programs the router identified. Only typed eviction orders by them."""
+        self._run(now)
+        self.tree.scores = {a: min(1.0, max(0.0, float(s))) for a, s in scores.items()}
+        for pid, agent in (agents or {}).items():
+            self.tree.set_agent(pid, agent)
+
+    def warm(self, anchor: str, tokens: int, now: float) -> str:
+        """Bring anchor `(anchor, tokens)` to device ahead of its next use (module
+        docstring). Answers what happened: resident, loaded, queued (a prefill once the
+        engine is free), busy (a request waits: not now) or no_room."""
+        self._run(now)
+        node = self.tree.anchors.get((anchor, tokens))
+        if node is not None and node.dev >= node.length:
+            return "resident"
+        if self._queue or not 0 < tokens <= self.gpu_tokens:
+            return "busy"
+        if node is not None and self.mode.host_tier and node.host > node.dev:
+            parts = self.tree.host_extra([node])
+            loaded = sum(n for _, n in parts)
+            if not self._room(loaded, node, anchor, now):
+                return "no_room"
+            self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(loaded)
+            self.tree.load(parts, self._pcie_free_at)
+            self.stats["loaded_tokens"] += loaded
+            self.stats["warm_loaded_tokens"] += loaded
+            return "loaded"
+        if (anchor, tokens) not in self._warm:
+            self._warm.append((anchor, tokens))
+            self._interrupt(now)
+            self._kick(now)
+        return "queued"
+
     def residency(self, program_id: str) -> tuple[int, int]:
-        e = self._entries.get(program_id)
-        return (e.dev, e.host) if e else (0, 0)
+        return self.tree.residency(program_id)
 
     def usage(self) -> dict:
         """Capacities and occupancy now; `stats` holds cumulative busy times and tokens."""
         return {
             "device_capacity_tokens": self.gpu_tokens,
             "host_capacity_tokens": self.host_tokens,
-            "device_used_tokens": self._dev_used,
-            "host_used_tokens": self._host_used,
-            "device_active_tokens": self._active,
+            "device_used_tokens": self.tree.dev_used,
+            "host_used_tokens": self.tree.host_used,
+            "device_active_tokens": self.tree.locked_tokens,
             "running": len(self._running) + (len(self._phase.batch) if self._prefilling else 0),
             "queued": len(self._queue),
         }
 
     def programs(self) -> dict[str, dict]:
         """Residency and hint of every program with KV here (for /mori/residency)."""
-        return {
-            pid: {"hint": e.hint.value, "device_tokens": e.dev, "host_tokens": e.host}
-            for pid, e in self._entries.items()
-        }
+        out = {}
+        for pid, e in self.tree.entries.items():
+            dev, host = self.tree.residency(pid)
+            out[pid] = {"hint": e.hint.value, "device_tokens": dev, "host_tokens": host}
+        return out
 
     # engine loop ------------------------------------------------------------------------
     @property
@@ -334,7 +370,7 @@ class ReplicaEngine:
 
     def _run(self, now: float) -> None:
         """Finish every phase that ends by `now`, starting the next one each time."""
-        while self._phase is not None and self._phase_end() <= now:
+        while self._phase is not None and self._phase.end <= now:
             if isinstance(self._phase, _Prefill):
                 self._end_prefill(self._phase)
             else:
@@ -342,11 +378,9 @@ class ReplicaEngine:
             self._phase = None
             self._kick(self._t)
 
-    def _phase_end(self) -> float:
-        return self._phase.end  # type: ignore[union-attr]
-
     def _kick(self, now: float) -> None:
-        """Idle engine: start a prefill batch if anything fits, else a decode run."""
+        """Idle engine: start a prefill batch if anything fits, else a warm-up prefill if
+        nothing waits, else a decode run."""
         if self._phase is not None:
             return
         self._t = max(self._t, now)
@@ -354,6 +388,8 @@ class ReplicaEngine:
         if batch:
             self._phase = _Prefill(self._prefill_end(batch, self._t), batch)
             self.stats["prefill_s"] += self._phase.end - self._t
+        elif self._warm and not self._queue and self._start_warm(self._t):
+            return
         elif self._running:
             batch_n = len(self._running)
             a, b = self.cost.step_coeffs(batch_n)
@@ -371,6 +407,12 @@ class ReplicaEngine:
 
     def _end_prefill(self, phase: _Prefill) -> None:
         self._t = phase.end
+        if phase.warm is not None:
+            node = phase.warm
+            self.tree.unhold(node)
+            node.last_use = phase.end
+            if self.mode.host_tier:
+                self.tree.write_through([node])
         for req in phase.batch:
             if req.aborted:
                 self._release(req, req.dev_hit + req.host_hit, phase.end)
@@ -404,19 +446,16 @@ class ReplicaEngine:
 
     # admission and prefill timing -------------------------------------------------------------
     def _order(self) -> list[_Request]:
-        if self.mode.eviction != "typed":
+        if not self._typed:
             return self._queue
-        busy = [r for r in self._queue if self._hint(r.program_id) is Hint.BUSY]
-        return busy + [r for r in self._queue if self._hint(r.program_id) is not Hint.BUSY]
-
-    def _hint(self, pid: str) -> Hint:
-        e = self._entries.get(pid)
-        return e.hint if e else Hint.BUSY
+        hint = self.tree.hint
+        busy = [r for r in self._queue if hint(r.program_id) is Hint.BUSY]
+        return busy + [r for r in self._queue if hint(r.program_id) is not Hint.BUSY]
 
     def _admit(self, now: float) -> list[_Request]:
         batch = []
         for req in self._order():
-            e = self._entries.get(req.program_id)
+            e = self.tree.entries.get(req.program_id)
             if e is not None and e.running is not None:
                 continue  # one request per program at a time; the next waits its turn
             if not self._reserve(req, now):
@@ -428,28 +467,20 @@ class ReplicaEngine:
 
     def _reserve(self, req: _Request, now: float) -> bool:
         """Lock the request's whole context on device, evicting cache if needed."""
-        e = self._entries.setdefault(req.program_id, _Entry(last_use=now))
+        tree, pid = self.tree, req.program_id
         limit = req.input_tokens if req.reused_limit is None else req.reused_limit
-        limit = min(limit, req.input_tokens)
-        dev_hit = min(e.dev, limit)
-        host_hit = max(0, min(e.host, limit) - dev_hit) if self.mode.host_tier else 0
-        need = req.input_tokens + req.output_tokens - dev_hit
-        room = self.gpu_tokens - self._dev_used + (e.dev - dev_hit)
+        m = tree.match(pid, limit, req.input_tokens, req.prefix, self.mode.host_tier)
+        need = req.input_tokens + req.output_tokens - m.dev
+        room = self.gpu_tokens - tree.dev_used + m.reclaim
         if need > room:
-            self._protected = req.program_id  # write-backs must not evict its host hit
-            try:
-                if not self._evict_device(need - room, keep=req.program_id):
-                    return False
-            finally:
-                self._protected = None
-        self._set_dev(e, req.input_tokens + req.output_tokens)
-        from_prefetch = min(e.prefetched, dev_hit)
-        req.dev_hit, req.host_hit = dev_hit, host_hit
-        req.cached = (dev_hit - from_prefetch, host_hit + from_prefetch)
-        e.prefetched = 0
-        e.running = req.rid
-        e.last_use = now
-        self._active += req.input_tokens + req.output_tokens
+            e = tree.entries.get(pid)
+            keep = set(m.base) | set(e.path if e else ())
+            if not tree.evict_device(need - room, keep):
+                return False
+        total = req.input_tokens + req.output_tokens
+        req.path = tree.admit(pid, m, total, req.rid, now)
+        req.dev_hit, req.host_hit = m.dev, m.host
+        req.cached = (m.dev - m.prefetched, m.host + m.prefetched)
         return True
 
     def _prefill_end(self, batch: list[_Request], now: float) -> float:
@@ -461,7 +492,7 @@ class ReplicaEngine:
             compute += self.cost.prefill_s(req.input_tokens - prefix, prefix)
             self.stats["prefill_tokens"] += req.input_tokens - prefix
             self.stats["loaded_tokens"] += req.host_hit
-            ready = max(ready, self._entries[req.program_id].ready_at)
+            ready = max(ready, max(n.ready_at for n in req.path))
             if req.host_hit:
                 self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(req.host_hit)
                 ready = max(ready, self._pcie_free_at)
@@ -469,111 +500,71 @@ class ReplicaEngine:
 
     def _release(self, req: _Request, context: int, now: float) -> None:
         """The request left the batch: unlock its program's KV and back it up to host."""
-        e = self._entries.get(req.program_id)
-        self._active -= req.input_tokens + req.output_tokens
+        e = self.tree.entries.get(req.program_id)
         if e is None or e.running != req.rid:
             return
-        e.running = None
-        e.last_use = now
-        self._set_dev(e, min(e.dev, context))
+        self.tree.release(req.program_id, context, now)
         if self.mode.host_tier:
-            self._write_host(req.program_id, e, e.dev, now)
-        if e.hint is Hint.IDLE and self.mode.eviction == "typed":
-            self._offload(e)  # idle hint arrived while it ran: act on it now
+            self.tree.write_through(e.path)
+        if e.hint is Hint.IDLE and self._typed:
+            self.tree.offload(e.path, req.program_id)  # idle hint arrived while it ran
 
-    # cache tiers -----------------------------------------------------------------------------
-    def _set_dev(self, e: _Entry, tokens: int) -> None:
-        self._dev_used += tokens - e.dev
-        e.dev = tokens
-
-    def _set_host(self, e: _Entry, tokens: int) -> None:
-        self._host_used += tokens - e.host
-        e.host = tokens
-
-    def _write_host(self, pid: str, e: _Entry, tokens: int, now: float) -> None:
-        """Back up a device prefix to host (write-through); D2H runs off the critical path.
-
-        Like HiRadixCache.write_backup: evict host-only copies to make room, and back up only
-        what then fits. The rest stays device-only (dropped if the device evicts it) until the
-        program's next request leaves the batch and tries again.
-        """
-        if tokens <= e.host:
-            return
-        short = tokens - e.host - (self.host_tokens - self._host_used)
-        if short > 0:
-            self._evict_host(short, now, keep=pid)
-        self._set_host(e, min(tokens, e.host + self.host_tokens - self._host_used))
-
-    def _offload(self, e: _Entry) -> None:
-        """Idle: drop the device copy if it is all backed up. A device-only suffix pins its
-        prefix (HiCache evicts children first, and the patch demotes only backed-up nodes)."""
-        if e.host >= e.dev:
-            self._set_dev(e, 0)
-            e.prefetched = 0
-
-    def _victims(self, ranks: dict[Hint, int], keep: str, evictable):
-        """Unlocked programs with `evictable(entry) > 0` tokens, first to go first."""
-        typed = self.mode.eviction == "typed"
-        cands = [
-            (pid, e)
-            for pid, e in self._entries.items()
-            if pid not in (keep, self._protected) and e.running is None and evictable(e) > 0
-        ]
-        cands.sort(key=lambda c: (ranks[c[1].hint] if typed else 0, c[1].last_use))
-        return cands
-
-    def _evict_device(self, tokens: int, keep: str, max_rank: int = 99) -> bool:
-        """Free `tokens` device tokens from unlocked programs; False if it cannot."""
-        victims = self._victims(_DEVICE_RANK, keep, _on_device)
-        if self.mode.eviction == "typed":
-            victims = [(p, e) for p, e in victims if _DEVICE_RANK[e.hint] <= max_rank]
-        if sum(e.dev for _, e in victims) < tokens:
-            return False
-        for _, e in victims:
-            take = min(tokens, e.dev)
-            self._set_dev(e, e.dev - take)  # tokens beyond e.host had no backup: dropped
-            e.prefetched = min(e.prefetched, e.dev)
-            tokens -= take
-            if tokens <= 0:
-                break
-        return True
-
-    def _evict_host(self, tokens: int, now: float, keep: str) -> None:
-        """Free host tokens from host-only copies (HiRadixCache.evict_host skips nodes still on
-        device): a program's backup of tokens it holds on device is never a victim."""
-        for pid, e in self._victims(_HOST_RANK, keep, _host_only):
-            take = min(tokens, _host_only(e))
-            self._set_host(e, e.host - take)
-            tokens -= take
-            if e.dev == 0 and e.host == 0 and e.running is None:
-                del self._entries[pid]
-            if tokens <= 0:
-                return
-
+    # hints and warm-ups ----------------------------------------------------------------------
     def _apply_hint(self, pid: str, hint: Hint, now: float) -> None:
-        e = self._entries.get(pid)
-        if e is None:
-            if hint is Hint.INACTIVE:
-                return
-            e = self._entries[pid] = _Entry(last_use=now)
-        e.hint = hint
+        if pid not in self.tree.entries and hint is Hint.INACTIVE:
+            return
+        e = self.tree.set_hint(pid, hint)
         if e.running is not None:
             return  # applied when the request leaves the batch (see _release)
-        if hint is Hint.IDLE and self.mode.host_tier and e.dev:
-            self._offload(e)
-        elif hint is Hint.BUSY and self.mode.host_tier and e.host > e.dev:
-            self._load_back(pid, e, now)
+        if hint is Hint.INACTIVE and not e.path:
+            del self.tree.entries[pid]  # nothing cached, nothing to rank: forget it
+        elif hint is Hint.IDLE and self.mode.host_tier:
+            self.tree.offload(e.path, pid)
+        elif hint is Hint.BUSY and self.mode.host_tier:
+            self._load_back(e.path, now)
 
-    def _load_back(self, pid: str, e: _Entry, now: float) -> None:
-        """Prefetch host tokens to device, evicting only inactive or idle programs for it."""
-        tokens = e.host - e.dev
-        free = self.gpu_tokens - self._dev_used
-        if tokens > free and not self._evict_device(
-            tokens - free, keep=pid, max_rank=_DEVICE_RANK[Hint.IDLE]
+    def _load_back(self, path: list[Node], now: float) -> None:
+        """Prefetch host tokens to device, evicting only inactive or idle segments for it."""
+        parts = self.tree.host_extra(path)
+        tokens = sum(n for _, n in parts)
+        if not tokens:
+            return
+        free = self.gpu_tokens - self.tree.dev_used
+        rank, idle = self.tree.rank, RANK[Hint.IDLE]
+        if tokens > free and not self.tree.evict_device(
+            tokens - free, keep=set(path), allowed=lambda n: rank(n) <= idle
         ):
             return
         self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(tokens)
         self.stats["loaded_tokens"] += tokens
-        e.ready_at = self._pcie_free_at
-        e.prefetched += tokens
-        self._set_dev(e, e.host)
+        self.tree.load(parts, self._pcie_free_at)
+
+    def _room(self, tokens: int, node: Node | None, anchor: str, now: float) -> bool:
+        """Free `tokens` device tokens for a warm-up, only from segments eviction would take
+        before the anchor itself (its type, its score, used now)."""
+        free = self.gpu_tokens - self.tree.dev_used
+        if tokens <= free:
+            return True
+        tree = self.tree
+        rank = tree.rank(node) if node is not None else RANK[Hint.INACTIVE]
+        mine = (rank, tree.scores.get(anchor, 0.0), now) if self._typed else (now,)
+        keep = {node} if node is not None else set()
+        return tree.evict_device(tokens - free, keep, allowed=lambda n: tree.victim_key(n) < mine)
+
+    def _start_warm(self, now: float) -> bool:
+        """Prefill the next queued anchor warm-up (False: none could start)."""
+        while self._warm:
+            anchor, tokens = self._warm.pop(0)
+            node = self.tree.anchors.get((anchor, tokens))
+            cached = node.dev if node is not None else 0
+            if cached >= tokens or not self._room(tokens - cached, node, anchor, now):
+                continue
+            node = self.tree.anchor_node(anchor, tokens)
+            self.tree.fill(node)
+            self.tree.hold(node)
+            end = now + self.cost.prefill_s(tokens - cached, cached)
+            self.stats["prefill_s"] += end - now
+            self.stats["warm_prefill_tokens"] += tokens - cached
+            self._phase = _Prefill(end, warm=node)
+            return True
+        return False

@@ -27,15 +27,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from router.policy import Policy, PolicyConfig, make_policy
+from router.policy.runtime import AgentEvent, EventKind, PushScores, Warm
 from router.policy.types import ReplicaCapacity
-from router.replay.corpus import ClosedLoopCorpus
+from router.replay.corpus import ClosedLoopCorpus, HandOffs
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
-from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine
+from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedPrefix
 from router.sim.presets import Preset, get_preset
 
 # The recompute price a policy starts from: a typical agent step prefills a few thousand
@@ -61,6 +63,7 @@ class SimConfig:
     seed: int = 0
     start_jitter_s: float = 5.0  # clients start uniformly over this span, not all at t=0
     policy_config: dict = field(default_factory=dict)
+    gpu_tokens: int | None = None  # device KV budget per replica (None: the preset's)
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # fail early with the list of known presets
@@ -71,6 +74,7 @@ class SimConfig:
             "duration_s": self.duration_s > 0,
             "token_scale": self.token_scale > 0,
             "start_jitter_s": self.start_jitter_s >= 0,
+            "gpu_tokens": self.gpu_tokens is None or self.gpu_tokens > 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -87,6 +91,8 @@ class _Client:
 
     pid: str  # unique per replay of a trace program
     program: TraceProgram
+    parent: str | None = None  # pid of the parent instance (subagents)
+    session: str = ""  # pid of the root instance: the task a subagent works on
     step: int = 0
 
 
@@ -127,7 +133,12 @@ class Simulation:
         self._util_t = 0.0
         self._running_area = 0.0
         self._forwarded: list[_Request] = []
+        self.clients: dict[str, _Client] = {}  # live program instances by pid
+        self.handoffs = HandOffs()  # steps of a task that other programs' steps wait for
+        self.warms: Counter[str] = Counter()  # warm-up outcomes (engine answers)
         self._build_policy_and_engines()
+        self._observe = getattr(self.policy, "observe", None)  # runtime-layer policies only
+        self._actions = getattr(self.policy, "runtime_actions", None)
 
     def _build_policy_and_engines(self) -> None:
         cfg = self.config
@@ -138,8 +149,8 @@ class Simulation:
         pc.update(cfg.policy_config)
         self.policy: Policy = make_policy(cfg.policy, PolicyConfig(**pc))
         mode = self.policy.engine_mode
-        gpu = self.preset.gpu_kv_tokens
-        host = self.preset.host_kv_tokens(cfg.cpu_ratio)
+        gpu = cfg.gpu_tokens or self.preset.gpu_kv_tokens
+        host = int(cfg.cpu_ratio * gpu)
         self.engines: dict[str, ReplicaEngine] = {}
         self.scheduled: dict[str, float | None] = {}
         for i in range(cfg.replicas):
@@ -191,7 +202,7 @@ class Simulation:
                 next_report = t + cfg.duration_s / 100
         self._account_util(cfg.duration_s)
         wall = time.perf_counter() - started
-        capacity = len(self.engines) * self.preset.gpu_kv_tokens
+        capacity = len(self.engines) * next(iter(self.engines.values())).gpu_tokens
         gpu_util = self._util_area / (cfg.duration_s * capacity)
         stats = [e.stats for e in self.engines.values()]
         waits = [r.forwarded - r.arrival for r in self._forwarded]
@@ -201,7 +212,11 @@ class Simulation:
             "prefill_busy": round(sum(s["prefill_s"] for s in stats) / cfg.duration_s, 3),
             "prefill_tokens": sum(s["prefill_tokens"] for s in stats),
             "loaded_tokens": sum(s["loaded_tokens"] for s in stats),
+            "warm_loaded_tokens": sum(s["warm_loaded_tokens"] for s in stats),
+            "warm_prefill_tokens": sum(s["warm_prefill_tokens"] for s in stats),
+            **{f"warms_{outcome}": n for outcome, n in sorted(self.warms.items())},
             "preset": cfg.preset,
+            "gpu_tokens": next(iter(self.engines.values())).gpu_tokens,
             "replicas": cfg.replicas,
             "token_scale": cfg.token_scale,
             "duration_s": cfg.duration_s,
@@ -236,18 +251,45 @@ class Simulation:
             self._util_t = t
 
     # clients -----------------------------------------------------------------------------
-    def _start_client(self, program: TraceProgram | None) -> None:
-        """Start a program instance: the next main program (None) or a given subagent."""
-        if program is None:
-            program = self.corpus.next_main()
-        client = _Client(f"{program.program_id}#{self.corpus.next_instance()}", program)
+    def _start_client(self, spawn: tuple[TraceProgram, str] | None) -> None:
+        """Start a program instance: the next main program (None) or a given subagent
+        (with its parent's pid)."""
+        program, parent = spawn if spawn is not None else (self.corpus.next_main(), None)
+        client = _Client(f"{program.program_id}#{self.corpus.next_instance()}", program, parent)
+        owner = self.clients.get(parent) if parent is not None else None
+        client.session = owner.session if owner is not None else (parent or client.pid)
+        self.clients[client.pid] = client
         for child in self.corpus.subagents(program):
-            self._push(self.now + child.start_s, _SPAWN, child)
-        self._on_arrive(client)
+            if child.steps[0].after:  # starts on a hand-over, not at a nominal time
+                self._start_client((child, client.pid))
+            else:
+                self._push(self.now + child.start_s, _SPAWN, (child, client.pid))
+        self._send_when_ready(client)
+
+    def _send_when_ready(self, client: _Client) -> None:
+        """Send the client's next step now, or park it until the steps it waits for end."""
+        refs = client.program.steps[client.step].after
+        missing = self.handoffs.missing(client.session, refs) if refs else None
+        if missing is None:
+            self._on_arrive(client)
+        else:
+            self.handoffs.park(client.session, missing, client)
 
     def _on_arrive(self, client: _Client) -> None:
         step = client.program.steps[client.step]
         req = _Request(client, f"q{next(self.rids)}", self.now, step)
+        if self._observe is not None:  # policies on the agent runtime layer (CacheSage)
+            program = client.program
+            self._observe(
+                AgentEvent(
+                    EventKind.REQUEST,
+                    self.now,
+                    client.pid,
+                    program.agent,
+                    client.session,
+                    program.anchor_tokens,
+                )
+            )
         self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
         self.gated[client.pid] = req
         self._release_gated()
@@ -262,7 +304,7 @@ class Simulation:
                 req.forwarded = self.now
                 self._forwarded.append(req)
                 self.inflight[req.rid] = req
-                st = req.step
+                st, program = req.step, req.client.program
                 engine = self.engines[replica]
                 engine.submit(
                     req.rid,
@@ -271,6 +313,12 @@ class Simulation:
                     st.output_tokens,
                     self.now,
                     reused_tokens=st.reused_tokens,
+                    prefix=SharedPrefix.of_program(
+                        program.agent,
+                        program.anchor_tokens,
+                        program.inherit_tokens,
+                        req.client.parent,
+                    ),
                 )
                 self._schedule_engine(replica)
 
@@ -282,6 +330,8 @@ class Simulation:
             for replica, hints in updates.items():
                 self.engines[replica].apply_hints(hints, self.now)
                 self._schedule_engine(replica)
+        if self._actions is not None:
+            self._run_actions(self._actions(self.now))
         if self.gated:
             self._release_gated()
         wake = getattr(self.policy, "next_wakeup", None)
@@ -289,6 +339,18 @@ class Simulation:
         if at is not None and at != self.wake_at:
             self.wake_at = at
             self._push(at, _WAKE, None)
+
+    def _run_actions(self, actions: list) -> None:
+        """Carry out the runtime layer's side effects on the simulated engines."""
+        for action in actions:
+            engine = self.engines.get(action.replica)
+            if engine is None:
+                continue
+            if isinstance(action, PushScores):
+                engine.apply_scores(dict(action.scores), dict(action.agents), self.now)
+            elif isinstance(action, Warm):
+                self.warms[engine.warm(action.agent, action.anchor_tokens, self.now)] += 1
+            self._schedule_engine(action.replica)
 
     # engines -----------------------------------------------------------------------------
     def _on_engine(self, name: str) -> None:
@@ -331,14 +393,22 @@ class Simulation:
         )
         usage = st.input_tokens + st.output_tokens if ev.ok else None
         self._policy_call(self.policy.on_response(client.pid, self.now, usage))
+        program = client.program
+        for waiter in self.handoffs.finish(client.session, program.program_id, client.step):
+            self._send_when_ready(waiter)
         client.step += 1
-        if client.step < len(client.program.steps):
+        if client.step < len(program.steps):
             tool = st.tool or "unknown"
-            agent = client.program.agent
-            self._policy_call(self.policy.on_tool_start(client.pid, self.now, tool, agent))
-            self._push(self.now + st.tool_s, _ARRIVE, client)
+            self._policy_call(self.policy.on_tool_start(client.pid, self.now, tool, program.agent))
+            if program.steps[client.step].after:
+                self._send_when_ready(client)
+            else:
+                self._push(self.now + st.tool_s, _ARRIVE, client)
             return
         self._policy_call(self.policy.end(client.pid, self.now))
+        self.clients.pop(client.pid, None)
+        if client.session == client.pid:
+            self.handoffs.end(client.session)
         if client.program.parent_id is None:
             self._start_client(None)  # closed loop: the slot takes the next program
 

@@ -1,13 +1,16 @@
-"""TEST SCAFFOLDING: start a MORI-patched SGLang 0.5.17 server on CPU for the tests.
+"""TEST SCAFFOLDING: start a MORI-patched SGLang server on CPU for the tests.
 
-The venv comes from scripts/install_sglang_cpu.sh (MORI_SGLANG_VENV, default
-~/.cache/mori/sglang-0.5.17). The CPU shims (shim/) go on the server's PYTHONPATH only. The log
-goes to a file (SGLang is chatty; a pipe nobody reads would block it) and is shown on failure.
+The venv comes from scripts/install_sglang_cpu.sh: the version in MORI_SGLANG_VERSION (default:
+the newest supported), its path from the installer itself (content-addressed), or MORI_SGLANG_VENV.
+The venv carries the CPU shim (shim/); this checkout goes on the server's PYTHONPATH, so the
+plugin entry point loads this checkout's engine_patches. The log goes to a file (SGLang is chatty;
+a pipe nobody reads would block it) and is shown on failure.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import time
@@ -15,12 +18,32 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.servers import free_port, stop
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VENV = Path(os.environ.get("MORI_SGLANG_VENV", Path.home() / ".cache/mori/sglang-0.5.17"))
+INSTALLER = REPO / "scripts/install_sglang_cpu.sh"
+VERSION_VAR = "MORI_SGLANG_VERSION"
+# Every real-engine test module: `pytestmark = REAL_ENGINE`.
+REAL_ENGINE = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(
+        os.environ.get("MORI_SKIP_SGLANG") == "1", reason="MORI_SKIP_SGLANG=1: real engine off"
+    ),
+]
+
+
+def venv_path() -> Path:
+    """The venv the installer makes for MORI_SGLANG_VERSION (it prints it without installing)."""
+    if os.environ.get("MORI_SGLANG_VENV"):
+        return Path(os.environ["MORI_SGLANG_VENV"])
+    argv = ["bash", str(INSTALLER), "--print-venv", *filter(None, [os.environ.get(VERSION_VAR)])]
+    return Path(subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip())
+
+
+VENV = venv_path()
 PYTHON = VENV / "bin" / "python"
 
 # Small pools so a handful of short programs already overflow the device tier.
@@ -36,13 +59,21 @@ CPU_FLAGS = [
 ]  # fmt: skip
 
 
+@functools.cache
+def installed_version() -> str:
+    """The SGLang version in the test venv."""
+    probe = "import importlib.metadata as m; print(m.version('sglang'))"
+    done = subprocess.run([str(PYTHON), "-c", probe], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
 def server_env() -> dict[str, str]:
     return {
         **os.environ,
         "SGLANG_USE_CPU_ENGINE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": f"{HERE / 'shim'}{os.pathsep}{REPO}",
+        "PYTHONPATH": str(REPO),
     }
 
 
@@ -68,21 +99,32 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
+LAUNCHER = ["-m", "engine_patches.launch"]  # mori-sglang
+
+
 @contextlib.contextmanager
 def patched_servers(
-    count: int, model: Path, log_dir: Path, extra: list[str], timeout_s: float = 240.0
+    count: int,
+    model: Path,
+    log_dir: Path,
+    extra: list[str],
+    timeout_s: float = 240.0,
+    entry: list[str] = LAUNCHER,
+    env: dict[str, str] | None = None,
 ) -> Iterator[list[Server]]:
-    """`count` patched servers started side by side (start-up is mostly imports: overlap it)."""
+    """`count` patched servers started side by side (start-up is mostly imports: overlap it);
+    `entry` the module to run (another one: `sglang.launch_server` without the launcher)."""
     servers: list[Server] = []
     try:
         for _ in range(count):
             port = free_port()
             log = log_dir / f"sglang-{port}.log"
-            argv = [str(PYTHON), "-m", "engine_patches.launch", "--model-path", str(model)]
+            argv = [str(PYTHON), *entry, "--model-path", str(model)]
             argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
+            full_env = {**server_env(), **(env or {})}
             with log.open("wb") as out:
                 proc = subprocess.Popen(
-                    argv, env=server_env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                    argv, env=full_env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )  # fmt: skip
             servers.append(Server(proc, port, log))
@@ -95,8 +137,21 @@ def patched_servers(
 
 
 @contextlib.contextmanager
-def patched_server(model: Path, log_dir: Path, extra: list[str]) -> Iterator[Server]:
-    with patched_servers(1, model, log_dir, extra) as (server,):
+def launch(entry: list[str], model: Path, log_dir: Path, extra: list[str]) -> Iterator[Server]:
+    with patched_servers(1, model, log_dir, extra, entry=entry) as (server,):
+        yield server
+
+
+@contextlib.contextmanager
+def tiny_engine(
+    work: Path, flags: list[str], env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """One patched server on the tiny model built in `work`; fails (never skips) when the
+    SGLang venv is missing."""
+    if not PYTHON.exists():
+        pytest.fail(f"SGLang venv missing at {VENV}: run scripts/install_sglang_cpu.sh")
+    model = build_tiny_model(work / "tiny")
+    with patched_servers(1, model, work, flags, env=env) as (server,):
         yield server
 
 

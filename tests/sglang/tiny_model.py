@@ -1,17 +1,31 @@
 """TEST SCAFFOLDING: build a tiny random-weight Qwen2 model + byte-level BPE tokenizer.
 
-Run with the SGLang venv's python (needs torch, transformers, tokenizers):
-    python tests/sglang/tiny_model.py OUT_DIR
-Deterministic (fixed seed), ~0.3 MB, built in a few seconds. A byte-level BPE is required: with
-transformers 5 a WordLevel tokenizer encodes everything to [] and crashes the scheduler.
+Run with the SGLang venv's python (it has torch, transformers, tokenizers); the script puts
+the CPU shim (shim/) and this checkout on its own path, so nothing else is needed:
+
+    ~/.cache/mori/sglang-<version>/bin/python tests/sglang/tiny_model.py OUT_DIR [--context N]
+
+Deterministic (fixed seed), ~0.3 MB, built in a few seconds. The same model serves the engine
+tests and live replays (`mori replay` against `mori-sglang --model-path OUT_DIR`): its
+tokenizer is trained on the replay's own prompt words (router.replay.prompts), so a replayed
+prompt of N nominal tokens is about N real ones, and its context (default 40960 tokens) holds
+the longest step of traces/generated-claude-code-32k.jsonl. A byte-level BPE is required:
+with transformers 5 a WordLevel tokenizer encodes everything to [] and crashes the scheduler.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CONTEXT_TOKENS = 40960
+VOCAB = 512
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -19,7 +33,18 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build(out: Path) -> Path:
+def training_text() -> list[str]:
+    """What the tokenizer learns from: replay prompts (word salad, chat markup) and the
+    short phrases the engine tests send."""
+    from router.replay.prompts import filler
+
+    rng = random.Random(0)
+    replay = [f"<user>{filler(rng, 400)}\n<assistant>{filler(rng, 80)}\n" for _ in range(300)]
+    phrases = [f"program {i} step {j} tool call result ok" for i in range(50) for j in range(5)]
+    return replay + phrases
+
+
+def build(out: Path, context: int = CONTEXT_TOKENS) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -31,12 +56,11 @@ def build(out: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=VOCAB,
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    corpus = [f"program {i} step {j} tool call result ok" for i in range(50) for j in range(5)]
-    tok.train_from_iterator(corpus, trainer)
+    tok.train_from_iterator(training_text(), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
@@ -48,13 +72,13 @@ def build(out: Path) -> Path:
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=512,
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=context,
         tie_word_embeddings=True,
         eos_token_id=0,
         bos_token_id=0,
@@ -66,5 +90,19 @@ def build(out: Path) -> Path:
     return out
 
 
+def _load_cpu_shim() -> None:
+    """The shim's torchvision op declaration: transformers imports torchvision, whose PyPI
+    build needs CUDA torch (tests/sglang/shim/sitecustomize.py)."""
+    sys.path[:0] = [str(HERE / "shim"), str(REPO)]
+    spec = importlib.util.spec_from_file_location("mori_cpu_shim", HERE / "shim/sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="model directory to write")
+    parser.add_argument("--context", type=int, default=CONTEXT_TOKENS, help="context tokens")
+    args = parser.parse_args()
+    _load_cpu_shim()
+    print(build(args.out, args.context))

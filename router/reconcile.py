@@ -1,0 +1,112 @@
+"""The router's tiers checked against what the engines hold (`GET /mori/residency`).
+
+The router's GPU/CPU tiers are its own bookkeeping; the engines hold the KV. The two drift:
+HiCache may drop a CPU-tier program's host copy under pressure, and a restarted router starts
+with no tiers at all while the engines still hold every program's KV and the last router's
+hints. Reconciliation reads each replica's residency and
+
+- adopts the programs the router does not know: a program the engine holds (any tokens, hint
+  not `inactive`) joins the tier its hint names on that replica (`busy` -> GPU, `idle` -> CPU)
+  as an acting program with the context the engine holds, so a restarted router rebuilds the
+  previous one's tiers and routes each program back to its KV (the first step toward a
+  standby router taking over);
+- drops the router's belief in KV that is gone: an acting CPU-tier program whose replica
+  holds none of its tokens any more moves to WAITING (its next request is placed afresh,
+  instead of being promoted for a host copy that no longer exists).
+
+Pure: it works on the policy's public state and the parsed documents; the controller does
+the HTTP (at start, before the first full hint sync, and every `reconcile_s`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.policy.base import Policy
+from router.policy.program import Program
+from router.policy.types import WAITING, Hint, Placement, Status, Tier
+
+_TIER_OF_HINT = {Hint.BUSY: Tier.GPU, Hint.IDLE: Tier.CPU}
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What one replica holds for one program."""
+
+    replica: str
+    device_tokens: int
+    host_tokens: int
+    hint: Hint
+
+    @property
+    def tokens(self) -> int:
+        return max(self.device_tokens, self.host_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one reconciliation changed (for logs and tests)."""
+
+    adopted: dict[str, Placement]
+    lost: list[str]
+
+
+def parse_residency(replica: str, doc: Any) -> dict[str, Held]:
+    """Program -> Held from one `/mori/residency` answer; malformed entries are skipped."""
+    programs = doc.get("programs") if isinstance(doc, dict) else None
+    out: dict[str, Held] = {}
+    for pid, row in programs.items() if isinstance(programs, dict) else ():
+        try:
+            held = Held(
+                replica, int(row["device_tokens"]), int(row["host_tokens"]), Hint(row["hint"])
+            )
+        except (TypeError, KeyError, ValueError):
+            continue
+        out[pid] = held
+    return out
+
+
+def reconcile(policy: Policy, views: Mapping[str, Mapping[str, Held]], now: float) -> Outcome:
+    """Bring the policy's tiers in line with the replicas' residency (`views`: replica ->
+    program -> Held, for the replicas that answered)."""
+    best: dict[str, Held] = {}
+    for held_here in views.values():
+        for pid, held in held_here.items():
+            if held.tokens > 0 and (pid not in best or held.tokens > best[pid].tokens):
+                best[pid] = held
+    adopted = {
+        pid: _adopt(policy, pid, held, now)
+        for pid, held in best.items()
+        if pid not in policy.programs
+        and held.hint in _TIER_OF_HINT
+        and policy.tiers.healthy.get(held.replica, False)
+    }
+    lost = [
+        p.program_id
+        for p in list(policy.programs.values())
+        if p.placement.tier is Tier.CPU
+        and p.status is Status.ACTING
+        and p.placement.replica in views
+        and views[p.placement.replica].get(p.program_id, _NOTHING).tokens == 0
+    ]
+    for pid in lost:
+        policy.tiers.place(policy.programs[pid], WAITING)
+    return Outcome(adopted, lost)
+
+
+_NOTHING = Held("", 0, 0, Hint.INACTIVE)
+
+
+def _adopt(policy: Policy, pid: str, held: Held, now: float) -> Placement:
+    """A program the engine holds and the router does not know: an acting program with one
+    completed step (not new), on the tier its last hint named."""
+    p = Program(pid, created_s=now, window=policy.config.window)
+    p.steps = 1
+    p.context_tokens = held.tokens
+    p.last_replica = held.replica
+    policy.programs[pid] = p
+    place = Placement(_TIER_OF_HINT[held.hint], held.replica)
+    policy.tiers.place(p, place)
+    return place
