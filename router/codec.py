@@ -5,7 +5,8 @@ and its usage chunk decoded once (router/accounting.py); with the standard libra
 was ~10 % of the router's CPU per request. orjson does the common case several times
 faster. Where it refuses a document (integers past 64 bits, numbers past a double,
 lone surrogates, nesting past 1024) the standard library decides, so what the router
-accepts, refuses and forwards is exactly what it was.
+accepts, refuses and forwards is exactly what it was. orjson before 3.9.15 had no depth
+limit and crashed the process on a body nested ~100 000 deep: pyproject asks for 3.11.6+.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 
 import httpx
 import pytest
@@ -154,6 +155,21 @@ def test_fingerprint_follows_the_stable_start():
     other = [start[0], {"role": "user", "content": "another task"}]
     assert fingerprint({"messages": start}) == fingerprint({"messages": later})
     assert fingerprint({"messages": start}) != fingerprint({"messages": other})
+
+
+def test_deeply_nested_body_is_refused_not_fatal():
+    """A parser that recursed without bound would crash the process serving the port
+    (orjson before 3.9.15 did, at about 100 000 levels): run in a child to see a crash."""
+    deep = b'{"model": "m", "deep": ' + b'{"k":' * 100_000 + b"1" + b"}" * 100_000 + b"}"
+    script = (
+        "import sys; from router.intake import Hints, prepare; from router.errors import ApiError\n"
+        "try: prepare('chat', sys.stdin.buffer.read(), Hints())\n"
+        "except ApiError as e: print(e.status, e.code)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], input=deep, capture_output=True, timeout=60
+    )
+    assert (run.returncode, run.stdout.strip()) == (0, b"400 invalid_json"), run.stderr[-500:]
 
 
 def _sse(doc) -> bytes:
