@@ -129,11 +129,13 @@ class Workers:
         proc = self.procs.pop(link, None)
         if self.stopping or proc is None:
             return
-        log.error("data-plane worker %d exited (%s); starting another", proc.pid, proc.poll())
         self.router.spawn(self._respawn(proc))
 
     async def _respawn(self, proc: subprocess.Popen) -> None:
         await asyncio.get_running_loop().run_in_executor(None, proc.wait)
+        if self.stopping:  # a SIGTERM to the process group reached the worker first
+            return
+        log.error("data-plane worker %d exited (%s); starting another", proc.pid, proc.returncode)
         await asyncio.sleep(0.5)  # a worker that dies at start must not spin
         if not self.stopping:
             await self._spawn()
