@@ -166,6 +166,9 @@ def replica_view(router: Router, url: str) -> dict[str, Any]:
             "used_tokens": tiers.used(place),
             "budget_tokens": tiers.budget(place),
         }
+    prices = router.policy.prices.get(url)
+    if prices is not None:  # measured from streamed answers (Exchange._price)
+        view["prices"] = prices.view()
     return view
 
 
