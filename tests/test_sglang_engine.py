@@ -26,6 +26,7 @@ from tests.sglang.server import (
     PYTHON,
     REAL_ENGINE,
     REPO,
+    ROUTER_SETTINGS,
     Server,
     build_tiny_model,
     installed_version,
@@ -199,7 +200,7 @@ def test_router_in_front_of_two_patched_replicas(tmp_path: Path):
     flags = ["--max-total-tokens", "512", "--max-running-requests", "4"]
     with (
         patched_servers(2, model, tmp_path, flags) as replicas,
-        router([r.url for r in replicas], tick_s=0.2) as base,
+        router([r.url for r in replicas], tick_s=0.2, **ROUTER_SETTINGS) as base,
     ):
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         programs = [f"trace-{i}" for i in range(6)]
