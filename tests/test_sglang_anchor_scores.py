@@ -54,7 +54,7 @@ def generate(server: Server, program: str) -> dict:
 
 def residency(server: Server) -> dict:
     r = httpx.get(f"{server.url}/mori/residency", timeout=30)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and "programs" in r.json(), r.text
     return r.json()
 
 

@@ -200,7 +200,9 @@ def test_router_in_front_of_two_patched_replicas(tmp_path: Path):
     flags = ["--max-total-tokens", "512", "--max-running-requests", "4"]
     with (
         patched_servers(2, model, tmp_path, flags) as replicas,
-        router([r.url for r in replicas], tick_s=0.2, **ROUTER_SETTINGS) as base,
+        router(  # a CPU engine on a busy machine is slow: 10 s bounds are for emulators
+            [r.url for r in replicas], tick_s=0.2, gate_timeout_s=60.0, **ROUTER_SETTINGS
+        ) as base,
     ):
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         programs = [f"trace-{i}" for i in range(6)]
