@@ -137,6 +137,7 @@ class OpenAIStream:
         self.client_wants_usage = client_wants_usage
         self.client_wants_details = client_wants_details
         self.usage = Usage()
+        self.ended = False  # the `[DONE]` event went by: the client has the whole answer
         self._buffer = b""
         self._names: dict[int, str] = {}  # tool call index -> function name
         self._args: dict[int, list[str]] = {}  # tool call index -> argument fragments
@@ -166,6 +167,7 @@ class OpenAIStream:
         has_usage = b'"usage"' in event and b'"usage":null' not in event.replace(b" ", b"")
         has_ext = b'"sglext"' in event
         if not has_usage and not has_ext and b'"tool_calls"' not in event:
+            self.ended = self.ended or event.strip() in (b"data: [DONE]", b"data:[DONE]")
             return out
         doc = _sse_json(event)
         if doc is None:
@@ -231,6 +233,7 @@ class AnthropicStream:
 
     def __init__(self, client_wants_usage: bool = True) -> None:
         self.usage = Usage()
+        self.ended = False  # `message_stop` went by: the client has the whole answer
         self._buffer = b""
         self._calls: dict[Any, tuple[str, list[str]]] = {}  # block index -> (name, input)
 
@@ -254,6 +257,9 @@ class AnthropicStream:
 
     def _event(self, event: bytes) -> None:
         if b'"usage"' not in event and b"tool_use" not in event and b"input_json" not in event:
+            if b"message_stop" in event:
+                doc = _sse_json(event)
+                self.ended = self.ended or (doc is not None and doc.get("type") == "message_stop")
             return
         doc = _sse_json(event)
         if doc is None:

@@ -84,6 +84,7 @@ class Relay:
         self.started = False  # the answer's head went to the client
         self.sent = 0.0  # time.monotonic() when the current attempt was sent
         self.outcome = Outcome()  # of the current attempt
+        self.answered = False  # the current attempt's stream reached its end marker
 
     async def run(self) -> None:
         w, config = self.worker, self.worker.config
@@ -124,7 +125,9 @@ class Relay:
                 if outcome.retry is None:
                     return
         except asyncio.CancelledError:  # the client left
-            if attempting:  # the attempt is over: neither served nor the replica's fault
+            if attempting and self.answered:  # after the whole streamed answer: served
+                link.report(seq, self.outcome)
+            elif attempting:  # the attempt is over: neither served nor the replica's fault
                 link.report(seq, Outcome(status="client_disconnect"))
             else:  # held by the owner (gated): it cancels the request there
                 link.cancel(seq)
@@ -141,6 +144,7 @@ class Relay:
         w = self.worker
         self.replica = url
         outcome = self.outcome = Outcome()
+        self.answered = False
         attempt = w.attempts.begin(url)
         complete = False
         self.sent = time.monotonic()
@@ -180,7 +184,7 @@ class Relay:
             return outcome
         finally:
             w.attempts.end(attempt)
-            if not complete:
+            if not complete and not self.answered:  # a whole answer needs no abort
                 w.spawn(w.replicas[url].abort(prepared.rid))
 
     async def _relay_body(
@@ -220,6 +224,10 @@ class Relay:
                     self._start(200, SSE_HEADERS)
                 conn.write(out)
                 await conn.drain()
+        except asyncio.CancelledError:
+            if parser.ended:  # the client left once it had the whole answer: served
+                self._served(outcome, parser)
+            raise
         except Broken as e:
             outcome.verdict = False
             cut = attempt.cut_reason
@@ -239,6 +247,11 @@ class Relay:
         if not self.started:
             self._start(200, SSE_HEADERS)
         conn.end(tail)
+        self._served(outcome, parser)
+
+    def _served(self, outcome: Outcome, parser: OpenAIStream | AnthropicStream) -> None:
+        """A whole streamed answer: its usage and, for the policy's prices, its times."""
+        self.answered = True
         outcome.usage = parser.finish()
         outcome.verdict = True
         if outcome.ttft is not None:

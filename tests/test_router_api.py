@@ -135,6 +135,8 @@ def test_streamed_answers_price_the_replica(base):
     while samples() < before + 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert samples() == before + 4
+    for pid in [*(f"price-{i}" for i in range(3)), *(f"price-s{i}" for i in range(4))]:
+        httpx.post(f"{base}/v1/programs/{pid}/end").raise_for_status()  # the engines forget
 
 
 def test_completions_and_models(base):

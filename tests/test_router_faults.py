@@ -179,6 +179,26 @@ def test_client_disconnect_mid_stream_on_emulator():
         assert client(base).chat.completions.create(**chat("gone", "back")).choices
 
 
+def test_client_that_leaves_after_done_was_served():
+    """The OpenAI SDK closes the connection at `[DONE]`, before the engine ends its
+    response: that request was served (its usage reaches the policy, no abort is sent),
+    not a client disconnect."""
+    engine = ScriptedReplica(linger_s=0.5, count_prompt=True)
+    with serve(engine) as url, router([url]) as base:
+        c = client(base)
+        for i in range(3):
+            chunks = list(c.chat.completions.create(**chat(f"done-{i}", "x" * 400), stream=True))
+            assert chunks[-1].choices[0].delta.content == "x"
+        time.sleep(1.0)  # every engine response has ended
+        assert metric(base, "mori_requests_total", outcome="ok") == 3
+        assert metric(base, "mori_requests_total", outcome="client_disconnect") == 0
+        assert engine.aborts == []
+        prompt = len(json.dumps([{"role": "user", "content": "x" * 400}])) // 4  # the engine's
+        contexts = [p["context_tokens"] for p in programs(base)["data"]]
+        assert contexts == [prompt + engine.tokens] * 3  # the policy learnt every answer's size
+        assert_clean(base)
+
+
 # --- data-plane workers ------------------------------------------------------------------
 def _worker_pids(owner: int) -> set[int]:
     """The owner's data-plane worker processes (`python -m router.worker`)."""
