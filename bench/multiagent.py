@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from statistics import fmean, pstdev
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -55,9 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_one(job: tuple[str, int, SimConfig]) -> dict:
+def run_one(
+    job: tuple[str, int, SimConfig], family: str = "multiagent", tasks: int = TASKS
+) -> dict:
+    """One simulation of preset `{family}-{workload}`'s corpus of `tasks` tasks."""
     workload, seed, config = job
-    corpus = list(generate(load_preset(f"multiagent-{workload}"), TASKS, seed))
+    corpus = list(generate(load_preset(f"{family}-{workload}"), tasks, seed))
     row = simulate(corpus, config).to_dict()
     row.update(workload=workload, seed=seed, hit=1.0 - row["miss"])
     return row
@@ -162,20 +167,25 @@ def table(summary: list[dict], title: str) -> Table:
     return t
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    console = Console(width=200)
-    todo = jobs(args)
+def run_all(todo: list, run: Callable[[Any], dict], workers: int, console: Console) -> list[dict]:
+    """`run` on every job in `workers` processes, in order, with a progress bar."""
     rows = []
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
     with (
         Progress(*columns, TimeElapsedColumn(), console=console) as progress,
-        ProcessPoolExecutor(max_workers=args.jobs) as pool,
+        ProcessPoolExecutor(max_workers=workers) as pool,
     ):
         task = progress.add_task("simulating", total=len(todo))
-        for row in pool.map(run_one, todo):
+        for row in pool.map(run, todo):
             rows.append(row)
             progress.advance(task)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=200)
+    rows = run_all(jobs(args), run_one, args.jobs, console)
     summary = summarize(rows)
     sc = load_scenario(args.scenario)
     title = (

@@ -128,6 +128,64 @@ def create_app(
             raise ApiError(404, f"no live program {program_id!r}", param="program_id")
         return view
 
+    # applications (agent graphs: mori+space) ---------------------------------------------
+    def graphs_policy() -> Any:
+        if not hasattr(router.policy, "register_app"):
+            raise ApiError(
+                400,
+                f"policy {router.policy.name!r} does not schedule by application graph "
+                "(run the router with --policy mori+space or mori-priced+space)",
+                code="unsupported_by_policy",
+            )
+        return router.policy
+
+    @app.post("/v1/apps")
+    async def register_app(request: Request) -> dict[str, Any]:
+        """An application's agent graph: `{"app_id": ..., "edges": [[from, to], ...]}`;
+        its requests then name it (`app_id` in the body or `X-App-Id`) and their role."""
+        key = auth.client(request.headers)
+        body = parse_json_object(
+            await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        )
+        try:
+            app_id = identity.namespace(key) + check_label(body.get("app_id"), "app_id")
+        except LabelError as e:
+            raise ApiError(400, str(e), param="app_id") from None
+        policy = graphs_policy()
+        try:
+            shapes = policy.register_app(app_id, body.get("edges"))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="edges") from None
+        return app_view(app_id, shapes)
+
+    def app_of(request: Request, app_id: str) -> tuple[Any, str]:
+        policy = graphs_policy()
+        if not auth.is_admin(request.headers):
+            app_id = identity.namespace(auth.client(request.headers)) + app_id
+        if app_id not in policy.graphs.registered and app_id not in policy.graphs.inferred:
+            raise ApiError(404, f"no application {app_id!r}", param="app_id")
+        return policy, app_id
+
+    @app.get("/v1/apps/{app_id:path}")
+    async def get_app(request: Request, app_id: str) -> dict[str, Any]:
+        policy, app_id = app_of(request, app_id)
+        return app_view(app_id, policy.graphs.shapes_of(app_id), app_id in policy.graphs.inferred)
+
+    @app.delete("/v1/apps/{app_id:path}")
+    async def delete_app(request: Request, app_id: str) -> dict[str, Any]:
+        policy, app_id = app_of(request, app_id)
+        if not policy.graphs.unregister(app_id):
+            raise ApiError(404, f"{app_id!r} is inferred, not registered", param="app_id")
+        return {"app_id": app_id, "deleted": True}
+
+    @app.get("/v1/apps")
+    async def list_apps(request: Request) -> dict[str, Any]:
+        auth.admin(request.headers)
+        graphs = graphs_policy().graphs
+        data = [app_view(a, graphs.shapes_of(a)) for a in graphs.registered]
+        data += [app_view(a, graphs.shapes_of(a), True) for a in graphs.inferred]
+        return {"object": "list", "data": data, **router.policy.space_view()}
+
     @app.get("/v1/replicas")
     async def replicas(request: Request) -> dict[str, Any]:
         auth.admin(request.headers)
@@ -170,6 +228,12 @@ def replica_view(router: Router, url: str) -> dict[str, Any]:
     if prices is not None:  # measured from streamed answers (Exchange._price)
         view["prices"] = prices.view()
     return view
+
+
+def app_view(app_id: str, shapes: dict, inferred: bool = False) -> dict[str, Any]:
+    """An application's roles with their place in its graph."""
+    roles = {r: {"depth": s.depth, "out_degree": s.out_degree} for r, s in shapes.items()}
+    return {"object": "app", "app_id": app_id, "inferred": inferred, "roles": roles}
 
 
 def _number(v: Any) -> bool:

@@ -22,7 +22,7 @@ from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.outliers import Outliers
 from router.policy import Policy, make_policy
-from router.policy.runtime import AgentEvent, EventKind, PushScores, Warm
+from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity, Tier
 from router.reconcile import parse_residency, reconcile
 from router.upstream import UpstreamError
@@ -157,7 +157,13 @@ class Router:
             self.anchors.remember(ticket.agent, ticket.anchor)
         tokens = ticket.anchor.tokens if ticket.anchor is not None else 0
         event = AgentEvent(
-            EventKind.REQUEST, self.clock(), ticket.program_id, ticket.agent, None, tokens
+            EventKind.REQUEST,
+            self.clock(),
+            ticket.program_id,
+            ticket.agent,
+            None,
+            tokens,
+            app=ticket.app,
         )
         self._observe(event if ticket.parent is None else replace(event, parent=ticket.parent))
 
@@ -170,12 +176,25 @@ class Router:
                 self._fresh_scores.add(action.replica)
                 self._agents.setdefault(action.replica, {}).update(action.agents)
                 self._hints_dirty.set()
+            elif isinstance(action, PushPriorities):
+                self._push_critical(action)
             elif isinstance(action, Warm) and action.replica in self.replicas:
                 anchor = self.anchors.get(action.agent)
                 if anchor is None or self.gate.waiting or action.replica in self._warming:
                     continue
                 self._warming.add(action.replica)
                 self.spawn(self._warm(self.replicas[action.replica], action.agent, anchor))
+
+    def _push_critical(self, action: PushPriorities) -> None:
+        """The space scheduler on the engine: the engine patch has no admission priorities,
+        so critical agent types ride CacheSage's survival scores (1.0: within a hint type,
+        their KV is evicted last) with the programs' agent types."""
+        self._scores.setdefault(action.replica, {})
+        if action.critical is not None:
+            self._scores[action.replica] = dict.fromkeys(sorted(action.critical), 1.0)
+            self._fresh_scores.add(action.replica)
+        self._agents.setdefault(action.replica, {}).update(action.agents)
+        self._hints_dirty.set()
 
     async def _warm(self, replica: Replica, agent: str, anchor) -> None:
         """Send the anchor with a one-character question and one output token (CacheSage

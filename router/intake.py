@@ -43,10 +43,12 @@ class Prepared:
     client_wants_usage: bool
     client_wants_details: bool  # the client set return_cached_tokens_details itself
     rid: str
-    content: bytes  # the engine's body: program_id/agent removed, session_id (and rid) set
+    # the engine's body: program_id, agent, parent_id and app_id out, session_id (and rid) in
+    content: bytes
     prompt_chars: int  # characters of text the engine's chat template will see
     anchor: Anchor | None = None  # tools + leading system messages (agent identity, warm-ups)
     parent: str | None = None  # the program this one works for (namespaced)
+    app: str | None = None  # the application (agent graph) its task runs (namespaced)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Hints:
     agent: str | None = None
     namespace: str = ""
     parent: str | None = None  # X-Parent-Id
+    app: str | None = None  # X-App-Id
 
 
 def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
@@ -65,9 +68,11 @@ def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
         program_id = header_text(headers, "x-program-id")
         agent = header_text(headers, "x-agent-role")
         parent = header_text(headers, "x-parent-id")
+        app = header_text(headers, "x-app-id")
     except LabelError as e:
         raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
-    return Hints(program_id or None, agent or None, identity.namespace(key), parent or None)
+    namespace = identity.namespace(key)
+    return Hints(program_id or None, agent or None, namespace, parent or None, app or None)
 
 
 # --- reading --------------------------------------------------------------------------
@@ -160,6 +165,8 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     anchor = anchor_of(body)
     parent = body.pop("parent_id", None)
     parent = _label(parent, "parent_id") if parent is not None else hints.parent
+    app = body.pop("app_id", None)
+    app = _label(app, "app_id") if app is not None else hints.app
     rid = body.get("rid")
     rid = _label(rid, "rid") if rid is not None else secrets.token_hex(16)
     stream = bool(body.get("stream", False))
@@ -182,6 +189,7 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         prompt_chars=prompt_chars(body),
         anchor=anchor,
         parent=hints.namespace + parent if parent else None,
+        app=hints.namespace + app if app else None,
     )
 
 

@@ -47,6 +47,7 @@ class Ticket:
     # says whether the owner's policy wants them: they can be tens of KiB)
     anchor: Anchor | None = None
     parent: str | None = None  # the program this one works for (X-Parent-Id)
+    app: str | None = None  # the application (agent graph) its task runs (X-App-Id)
 
 
 @dataclass

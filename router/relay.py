@@ -102,6 +102,7 @@ class Relay:
                 prepared.agent,
                 prepared.anchor if w.anchors else None,
                 prepared.parent,
+                prepared.app,
             )
             await self._exchange(ticket, prepared, [JSON, *forward])
         except ApiError as e:

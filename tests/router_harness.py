@@ -67,6 +67,17 @@ def router(replicas: list[Any], log: Path | None = None, **settings: Any) -> Ite
             yield f"http://127.0.0.1:{port}"
 
 
+@contextlib.contextmanager
+def fast_stack(policy: str) -> Iterator[tuple[str, str]]:
+    """A router with `policy` in front of one fast emulated replica (x50, 60k device KV
+    tokens); yields the router's and the replica's base URLs."""
+    with (
+        emulator("--time-scale", "50", "--gpu-tokens", "60000") as (replica, _),
+        router([replica], policy=policy) as base,
+    ):
+        yield base, replica
+
+
 def client(base: str, **kwargs: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="EMPTY", max_retries=0, **kwargs)
 

@@ -12,7 +12,7 @@ from router.replay.client import Replay, ReplayConfig
 from router.replay.prompts import Conversation, common_prefix_tokens, count_tokens, render_chat
 from router.replay.report import JSON_FIELDS
 from router.replay.trace import TraceProgram, TraceStep, dump_trace
-from tests.router_harness import router
+from tests.router_harness import programs, router
 from tests.servers import free_port, mori, spawn
 
 STEPS = (
@@ -195,3 +195,35 @@ def test_a_fork_repeats_its_parents_start_byte_for_byte():
     forked = fork.next_messages(600, 0)
     assert count_tokens(render_chat(forked)) == 600
     assert 248 <= common_prefix_tokens(render_chat(first), render_chat(forked)) <= 251
+
+
+def test_live_replay_tells_the_router_each_tool_call_and_each_end(emulator):
+    """A replayed answer cannot end in the trace's tool call, so the replay names it the way
+    an agent without tool calls does (`tool_start`): the router's priced policy predicts per
+    tool, as in `mori sim`. Programs still running when the run stops are ended, also behind
+    API keys (the key-less end used to be refused, leaving them to the idle lease)."""
+    steps = (TraceStep(300, 5, 0, 6.0, "Bash:pytest"), TraceStep(400, 5, 300, 0.0))
+    corpus = [TraceProgram("t", steps, agent="main")]
+    spec = {"url": emulator, "gpu_tokens": 40000, "cpu_tokens": 60000}
+    with router([spec], api_keys=["key-a"]) as base:
+        config = ReplayConfig(
+            base + "/v1", api_key="key-a", concurrency=1, duration_s=3.0, start_jitter_s=0
+        )
+        run = Replay(corpus, config)
+        seen: list[dict] = []
+
+        def mine(program: dict) -> bool:  # the router adopts what the shared emulator holds
+            return run.run_tag in program["program_id"]
+
+        async def replay_and_watch() -> None:
+            task = asyncio.create_task(run.run())
+            while not task.done() and not seen:
+                await asyncio.sleep(0.1)
+                view = await asyncio.to_thread(programs, base, "key-a")
+                seen.extend(p for p in view["data"] if mine(p) and p["last_tool"])
+            await task
+
+        asyncio.run(replay_and_watch())
+        assert seen and seen[0]["last_tool"] == "Bash:pytest", seen
+        assert seen[0]["status"] == "acting"
+        assert not [p for p in programs(base, "key-a")["data"] if mine(p)]

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.router_harness import assert_clean, client, emulator, metric, router
+from tests.router_harness import assert_clean, client, fast_stack, metric
 
 ROLES = ["Planner", "Coder", "Tester"]
 SYSTEM = {role: f"You are the {role}. " + f"{role} rules and tool schemas. " * 60 for role in ROLES}
@@ -18,11 +18,8 @@ SYSTEM["selector"] = "You pick who speaks next. " * 40
 
 @pytest.fixture(scope="module")
 def stack():
-    with (
-        emulator("--time-scale", "50", "--gpu-tokens", "60000") as (replica, _),
-        router([replica], policy="mori+cachesage") as base,
-    ):
-        yield base, replica
+    with fast_stack("mori+cachesage") as urls:
+        yield urls
 
 
 def ask(api, pid: str, role: str, parent: str | None, text: str, named: bool = True) -> None:

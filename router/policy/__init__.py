@@ -15,6 +15,8 @@ REGISTRY: dict[str, str] = {
     "mori-priced": "router.policy.priced:PricedPolicy",
     "mori-paper": "router.policy.mori_paper:MoriPaperPolicy",
     "mori+cachesage": "router.policy.cachesage:CacheSagePolicy",
+    "mori+space": "router.policy.space:SpacePolicy",
+    "mori-priced+space": "router.policy.space:PricedSpacePolicy",
     "continuum": "router.policy.continuum:ContinuumPolicy",
     "ta": "router.policy.baselines:ThunderAgentPolicy",
     "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",

@@ -60,6 +60,16 @@ class PolicyConfig:
     aging_s: float | None = None
     prefill_s_per_token: float = 5e-5  # recompute price before measurements (replica preset)
     displace_margin: float = 1.0  # mori: a move pays if expected idle >= margin x its cost
+    # mori+space (Tokencake §5): critical agent types and their reserved GPU room
+    critical_ratio: float = 0.3  # share of the live agent types that are critical
+    # static priority (depth x out-degree) weight; the dynamic term of a request waiting
+    # tens of seconds is in the hundreds, and the graph must still order the types (a
+    # sweep on the DAG presets: bench/results/2026-11-23-space-scheduler.md)
+    w_static: float = 100.0
+    gpu_usage_high: float = 0.9  # GPU tier use at which the reserved pool grows ...
+    gpu_usage_low: float = 0.6  # ... and at which it shrinks
+    reserve_step: float = 0.05  # pool change per update, as a share of the GPU budget
+    reserve_max: float = 0.2  # the largest pool, as a share of the GPU budget
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}

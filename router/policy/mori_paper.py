@@ -40,6 +40,7 @@ from router.policy.program import Program
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
 
 Idleness = Callable[[Program], float]
+Classes = tuple[list[Program], list[Program], list[Program]]  # on CPU, returning, new
 
 
 def _memo_idleness(now: float) -> Idleness:
@@ -264,9 +265,7 @@ class MoriPaperPolicy(Policy):
                 returning.append(p)
             else:
                 new.append(p)
-        on_cpu.sort(key=idleness)
-        returning.sort(key=idleness)
-        new.sort(key=lambda p: (p.context_tokens, idleness(p)))
+        self._order_classes((on_cpu, returning, new), idleness, now)
         for p in on_cpu:
             if not self._place_cpu(p, free, now, moves) and displace:
                 r = p.placement.replica
@@ -281,6 +280,15 @@ class MoriPaperPolicy(Policy):
         if swaps:  # a swap may free more than it took, also where earlier requests wait
             moves += self._promote(now)
         return moves
+
+    def _order_classes(self, classes: Classes, idleness: Idleness, now: float) -> None:
+        """Sort each class in place into the order a pass offers it room (a hook: the
+        space scheduler puts its hybrid priority first): least idle first in classes 1
+        and 2, smallest first in class 3."""
+        on_cpu, returning, new = classes
+        on_cpu.sort(key=idleness)
+        returning.sort(key=idleness)
+        new.sort(key=lambda p: (p.context_tokens, idleness(p)))
 
     def _promote_aged(
         self,

@@ -51,6 +51,7 @@ class AgentEvent:
     anchor_tokens: int = 0  # the role's shared prefix (system prompt + tools)
     tool: str | None = None
     parent: str | None = None  # the program this one works for, when the session is unknown
+    app: str | None = None  # the application (agent graph) its task runs
 
 
 class ItemKind(StrEnum):
@@ -83,7 +84,20 @@ class Warm:
     anchor_tokens: int
 
 
-Action = PushScores | Warm
+@dataclass(frozen=True, slots=True)
+class PushPriorities:
+    """The space scheduler (Tokencake §5) on a replica: the engine admits busy-typed
+    requests by program priority (higher first), and within one type keeps the KV of the
+    critical agent types longest. `priorities` and `agents` name programs newly placed
+    there; `critical` replaces the set (None: unchanged)."""
+
+    replica: str
+    priorities: Mapping[str, float] = field(default_factory=dict)
+    agents: Mapping[str, str] = field(default_factory=dict)
+    critical: frozenset[str] | None = None
+
+
+Action = PushScores | Warm | PushPriorities
 
 
 class RuntimeComponent:

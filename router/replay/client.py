@@ -98,6 +98,8 @@ class _Instance:
             out["X-Agent-Role"] = self.program.agent
         if self.parent is not None:
             out["X-Parent-Id"] = self.parent.pid
+        if self.program.app:
+            out["X-App-Id"] = self.program.app
         return out
 
 
@@ -127,6 +129,7 @@ class Replay:
         self._tasks: set[asyncio.Task] = set()
         self._live: set[str] = set()  # programs started and not ended
         self._handoffs: dict[tuple[str, str, int], asyncio.Event] = {}  # steps that ended
+        self._apps: set[str] = set()  # app graphs registered with the router
         self._crash: BaseException | None = None
         self.labels = (config.policy_label or "unknown", config.cpu_ratio or 0.0)
         self._claimed = 0  # main programs started
@@ -222,7 +225,8 @@ class Replay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(self._end(pid) for pid in self._live), return_exceptions=True)
+        ends = (self._tell(pid, "end") for pid in self._live)
+        await asyncio.gather(*ends, return_exceptions=True)
 
     async def _first_model(self) -> str:
         try:
@@ -245,6 +249,9 @@ class Replay:
     async def _program(self, program: TraceProgram, parent: _Instance | None = None) -> None:
         pid = f"{self.run_tag}-{program.program_id}.{self.corpus.next_instance()}"
         me = _Instance(pid, program, parent)
+        if program.graph and program.app not in self._apps:
+            self._apps.add(program.app)  # type: ignore[arg-type]
+            await self._register(program.app, program.graph)  # type: ignore[arg-type]
         for child in self.corpus.subagents(program):
             self._spawn(self._subagent(child, me))
         inherited = parent.conversation.messages if parent and program.inherit_tokens else ()
@@ -259,12 +266,14 @@ class Replay:
             messages = me.conversation.next_messages(step.input_tokens, reused)
             me.conversation.record_answer(await self._step(me, step, messages))
             self._handoff_event(me.session, program.program_id, i).set()
+            if i + 1 < len(program.steps) and step.tool:
+                await self._tell(pid, "tool_start", {"tool": step.tool}, me.headers)
             if not (i + 1 < len(program.steps) and program.steps[i + 1].after):
                 await self._sleep_trace(step.tool_s)  # a hand-over is waited for, not slept
         self._live.discard(pid)
         if parent is None:
             self._handoffs = {k: v for k, v in self._handoffs.items() if k[0] != me.session}
-        self._spawn(self._end(pid))
+        self._spawn(self._tell(pid, "end"))
         self.progress.programs_done += 1
 
     async def _subagent(self, program: TraceProgram, parent: _Instance) -> None:
@@ -280,11 +289,34 @@ class Replay:
         for program_id, index in step.after:
             await self._handoff_event(me.session, program_id, index).wait()
 
-    async def _end(self, pid: str) -> None:
-        """Tell a router the program is over (an engine without the endpoint: ignored)."""
-        url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/end"
+    @property
+    def _auth(self) -> dict[str, str]:
+        """The API key for the router's own endpoints (the SDK sends it for inference)."""
+        return {"authorization": f"Bearer {self.config.api_key}"}
+
+    async def _register(self, app: str, edges: tuple[tuple[str, str], ...]) -> None:
+        """Register the app's agent graph with a graph-aware router (`POST /v1/apps`);
+        other routers and engines refuse it, and the requests still carry the app."""
+        body = {"app_id": app, "edges": [list(e) for e in edges]}
         with contextlib.suppress(httpx.HTTPError):
-            await self.http.post(url, timeout=5.0)
+            await self.http.post(
+                f"{self.config.base_url}/v1/apps", json=body, headers=self._auth, timeout=5.0
+            )
+
+    async def _tell(
+        self, pid: str, action: str, body: dict | None = None, headers: dict | None = None
+    ) -> None:
+        """Tell a router what the agent does next: the tool call a step ends in (a real
+        agent's answer names it in `tool_calls`; the replayed answer cannot, so the trace's
+        tool is told the way an agent without tool calls would), or the program's end.
+        Skipped for an engine itself; a failure is ignored (the router's lease covers it).
+        With the API key: a router that checks keys refused these before."""
+        if self.labels[0] == "direct":
+            return
+        url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/{action}"
+        headers = {**(headers or {}), **self._auth}
+        with contextlib.suppress(httpx.HTTPError):
+            await self.http.post(url, json=body or {}, headers=headers, timeout=5.0)
 
     async def _step(self, me: _Instance, step: TraceStep, messages: list[dict]) -> str:
         """Send one step, stream the answer, record it; returns the answer's text."""
@@ -328,6 +360,9 @@ class Replay:
                 output_tokens=_or(usage.completion_tokens, len(parts)),
                 cached_device=hits.device if hits else 0,
                 cached_host=hits.host if hits else 0,
+                session=me.session,
+                agent=me.program.agent,
+                last=step is me.program.steps[-1],
             )
         )
         self.progress.steps += 1
@@ -388,7 +423,7 @@ class Replay:
 
     async def _get_json(self, path: str) -> dict | None:
         """GET a JSON object from the endpoint's root (with the API key); None on failure."""
-        headers = {"authorization": f"Bearer {self.config.api_key}"}
+        headers = self._auth
         with contextlib.suppress(httpx.HTTPError, ValueError):
             r = await self.http.get(self.config.base_url + path, headers=headers, timeout=5.0)
             if r.status_code == 200 and isinstance(doc := r.json(), dict):

@@ -73,6 +73,15 @@ class Tool(StrictModel):
     output_tokens: Dist | None = None  # the step that calls it (Write/Edit emit more)
 
 
+def check_loop_tools(loops: bool, tools: dict[str, Tool], who: str) -> None:
+    """A role (agent) whose turns run tool loops needs tools, each with a duration."""
+    if loops and not tools:
+        raise ValueError(f"{who} needs tools")
+    missing = [n for n, t in tools.items() if t.duration_s is None]
+    if missing:
+        raise ValueError(f"tools {missing} need duration_s")
+
+
 class Role(StrictModel):
     anchor_tokens: int = Field(ge=0)  # shared system prompt + tool definitions
     steps: Dist

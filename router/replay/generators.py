@@ -2,8 +2,8 @@
 
 `agent` (the default): single-agent programs with subagents, Claude-Code-like
 (`router.replay.generate`). `supervisor`: multi-agent apps where a selector hands turns to
-specialist roles (`router.replay.multiagent`). A new kind (a DAG of dependent agents) adds
-its preset model and generator here.
+specialist roles (`router.replay.multiagent`). `dag`: apps whose agent roles form a DAG
+with fan-out and fan-in, Tokencake's Code-Writer and Deep-Research (`router.replay.dag`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,17 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from router.replay import dag, multiagent
 from router.replay import generate as single
-from router.replay import multiagent
 from router.replay.trace import TraceProgram
 
 KINDS: dict[str, tuple[type[BaseModel], Callable[..., Iterator[TraceProgram]]]] = {
     "agent": (single.Preset, single.generate),
     "supervisor": (multiagent.SupervisorPreset, multiagent.generate),
+    "dag": (dag.DagPreset, dag.generate),
 }
 
-AnyPreset = single.Preset | multiagent.SupervisorPreset
+AnyPreset = single.Preset | multiagent.SupervisorPreset | dag.DagPreset
 
 
 def load_preset(name_or_path: str | Path) -> AnyPreset:

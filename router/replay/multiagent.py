@@ -39,7 +39,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from router.replay.generate import Dist, StrictModel, Tool
+from router.replay.generate import Dist, StrictModel, Tool, check_loop_tools
 from router.replay.trace import TraceProgram, TraceStep
 from router.replay.trace_stats import Nominal
 
@@ -58,11 +58,7 @@ class Role(StrictModel):
 
     @model_validator(mode="after")
     def _tools_for_loops(self) -> Role:
-        if self.tool_p > 0 and not self.tools:
-            raise ValueError("a role with tool_p > 0 needs tools")
-        missing = [n for n, t in self.tools.items() if t.duration_s is None]
-        if missing:
-            raise ValueError(f"tools {missing} need duration_s")
+        check_loop_tools(self.tool_p > 0, self.tools, "a role with tool_p > 0")
         return self
 
 

@@ -2,12 +2,21 @@
 
 The simulator and the live replay both produce `StepRecord`s and reduce them with
 `summarize`, so their tables, JSON, CSV and plots are comparable field by field.
+
+Besides MORI's per-step metrics, a run reports its applications (Tokencake §7.1): a task
+(a main program and its subagents, the records of one `session`) is done when its main
+program's last step is; its end-to-end latency runs from its first request to that answer.
+An agent instance (a program) runs from its first request to its last step's answer; it is
+*abnormal* when that takes more than 1.5x the mean of its agent type in the run.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from statistics import fmean
+
+ABNORMAL_X = 1.5  # an agent instance slower than this x its type's mean is abnormal
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +33,9 @@ class StepRecord:
     cached_device: int = 0  # prompt tokens found in device KV
     cached_host: int = 0  # prompt tokens loaded back from host DRAM
     ok: bool = True
+    session: str | None = None  # the task (its main program's id); None: the program's own
+    agent: str | None = None  # the program's agent role
+    last: bool = False  # the program's last step
 
 
 @dataclass(slots=True)
@@ -44,6 +56,12 @@ class RunResult:
     hit_host: float
     miss: float
     churn: float
+    app_e2e_mean_s: float = 0.0  # tasks answered in the run: first request to answer
+    app_e2e_p99_s: float = 0.0
+    apps_done: int = 0
+    agents_done: int = 0  # agent instances (programs) whose last step was answered
+    abnormal_agents: int = 0  # of them, slower than ABNORMAL_X x their type's mean
+    agent_latency_s: dict = field(default_factory=dict)  # agent type -> mean execution s
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -70,6 +88,39 @@ def churn(records: list[StepRecord]) -> float:
     return sum(len(s) > 1 for s in seen.values()) / len(seen) if seen else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class AppStats:
+    """Application-level figures of a run (see the module docstring)."""
+
+    e2e_s: list[float]  # per answered task
+    agents_done: int
+    abnormal: int
+    agent_latency_s: dict[str, float]  # agent type -> mean execution time
+
+
+def app_stats(records: list[StepRecord], duration_s: float) -> AppStats:
+    """Tasks answered and agent instances finished by `duration_s`."""
+    first: dict[str, float] = {}  # session -> first request
+    start: dict[str, float] = {}  # program -> first request
+    done: dict[str, tuple[str, float]] = {}  # program -> (agent type, execution s)
+    answered: dict[str, float] = {}  # session -> its main program's answer
+    for r in records:
+        session = r.session or r.program_id
+        first[session] = min(first.get(session, r.arrival_s), r.arrival_s)
+        start[r.program_id] = min(start.get(r.program_id, r.arrival_s), r.arrival_s)
+        if r.last and r.ok and r.finish_s <= duration_s:
+            done[r.program_id] = (r.agent or "-", r.finish_s - start[r.program_id])
+            if r.program_id == session:
+                answered[session] = r.finish_s
+    by_type: dict[str, list[float]] = defaultdict(list)
+    for agent, seconds in done.values():
+        by_type[agent].append(seconds)
+    means = {agent: fmean(times) for agent, times in sorted(by_type.items())}
+    abnormal = sum(s > ABNORMAL_X * means[a] for a, s in done.values())
+    e2e = [end - first[session] for session, end in answered.items()]
+    return AppStats(e2e, len(done), abnormal, {a: round(m, 3) for a, m in means.items()})
+
+
 def summarize(
     records: list[StepRecord],
     duration_s: float,
@@ -87,6 +138,7 @@ def summarize(
     device = sum(r.cached_device for r in done)
     host = sum(r.cached_host for r in done)
     span = max(duration_s, 1e-9)
+    apps = app_stats(records, duration_s)
     return RunResult(
         policy=policy,
         concurrency=concurrency,
@@ -102,5 +154,11 @@ def summarize(
         hit_host=host / prompt,
         miss=max(0.0, 1 - (device + host) / prompt),
         churn=churn(done),
+        app_e2e_mean_s=fmean(apps.e2e_s) if apps.e2e_s else 0.0,
+        app_e2e_p99_s=percentile(apps.e2e_s, 99),
+        apps_done=len(apps.e2e_s),
+        agents_done=apps.agents_done,
+        abnormal_agents=apps.abnormal,
+        agent_latency_s=apps.agent_latency_s,
         extra=dict(extra or {}),
     )

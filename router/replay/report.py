@@ -34,6 +34,10 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("hit_host", "host", "{:.0%}"),
     ("miss", "miss", "{:.0%}"),
     ("churn", "churn", "{:.1%}"),
+    # multi-agent apps (tasks): end-to-end latency and abnormal agent instances
+    ("app_e2e_mean_s", "app e2e mean", "{:.1f}"),
+    ("app_e2e_p99_s", "app e2e p99", "{:.1f}"),
+    ("abnormal_agents", "abnormal agents", "{:d}"),
 ]
 # The default table fits 80 columns: throughput, TTFT, KV use and where prompts were found.
 NARROW = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "gpu_util", "hit_device", "miss")

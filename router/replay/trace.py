@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from router.policy.app_graph import check_edges
+
 
 @dataclass(frozen=True, slots=True)
 class TraceStep:
@@ -38,6 +40,10 @@ class TraceProgram:
     agent: str | None = None
     anchor_tokens: int = 0  # first-prompt prefix shared by every program of this agent role
     inherit_tokens: int = 0  # first-prompt prefix repeated from the parent's context (a fork)
+    app: str | None = None  # the application (agent graph) the program's task runs
+    # a main program's app graph: agent-role edges (a -> b: b consumes a's output), what the
+    # app registers with a graph-aware router (POST /v1/apps) before its tasks run
+    graph: tuple[tuple[str, str], ...] = ()
     extra: dict = field(default_factory=dict)
 
 
@@ -62,6 +68,8 @@ _PROGRAM_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
     "agent": ((str, type(None)), False, None),
     "anchor_tokens": ((int,), False, 0),
     "inherit_tokens": ((int,), False, 0),
+    "app": ((str, type(None)), False, None),
+    "graph": ((list,), False, None),
     "steps": ((list,), True, None),
 }
 _STEP_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
@@ -148,8 +156,15 @@ def parse_program(raw: object, path: str | Path = "<trace>", line: int | None = 
     _check_fields(raw, _PROGRAM_FIELDS, "", fail)
     steps = _parse_steps(raw["steps"], fail)
     known = {k: raw[k] for k in _PROGRAM_FIELDS if k in raw and k != "steps"}
+    if "graph" in known:
+        try:
+            known["graph"] = check_edges(known["graph"], "graph")
+        except ValueError as e:
+            fail(None, str(e))
     extra = {k: v for k, v in raw.items() if k not in _PROGRAM_FIELDS}
     program = TraceProgram(steps=steps, extra=extra, **known)
+    if program.graph and program.parent_id is not None:
+        fail("graph", "only a main program (no parent_id) carries its app's graph")
     for name in ("anchor_tokens", "inherit_tokens"):
         if getattr(program, name) > steps[0].input_tokens:
             fail(name, f"{getattr(program, name)} > first prompt {steps[0].input_tokens}")
@@ -282,6 +297,10 @@ def program_to_dict(program: TraceProgram) -> dict:
         out["anchor_tokens"] = program.anchor_tokens
     if program.inherit_tokens:
         out["inherit_tokens"] = program.inherit_tokens
+    if program.app is not None:
+        out["app"] = program.app
+    if program.graph:
+        out["graph"] = [list(edge) for edge in program.graph]
     out.update(program.extra)
     out["steps"] = [
         {k: v for k, v in asdict(s).items() if v is not None and v != ()} for s in program.steps

@@ -137,6 +137,7 @@ class KVTree:
         # run is deterministic (a set would order them by memory address)
         self.nodes: dict[Node, None] = {}
         self.scores: dict[str, float] = {}  # agent role -> survival in [0, 1]
+        self.critical: frozenset[str] = frozenset()  # agent types kept longest in a type
         self.locked_tokens = 0  # distinct tokens held by running requests (and warm-ups)
         self._tie = itertools.count()  # heap tie-breaker (nodes do not compare)
 
@@ -437,11 +438,16 @@ class KVTree:
         best = scores.get(node.anchor, 0.0) if node.anchor is not None else 0.0
         return max(best, max((scores.get(a, 0.0) for a in node.agents), default=0.0))
 
+    def is_critical(self, node: Node) -> bool:
+        """Space scheduler: a program of a critical agent type uses the node."""
+        critical = self.critical
+        return bool(critical) and any(a in critical for a in node.agents)
+
     def victim_key(self, node: Node) -> tuple:
-        """Smallest goes first: (type, survival, LRU) when typed, LRU otherwise."""
+        """Smallest goes first: (type, critical, survival, LRU) when typed, LRU otherwise."""
         if not self.typed:
             return (node.last_use,)
-        return (self.rank(node), self.survival(node), node.last_use)
+        return (self.rank(node), self.is_critical(node), self.survival(node), node.last_use)
 
     # eviction -------------------------------------------------------------------------
     def evict_device(

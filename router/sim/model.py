@@ -14,6 +14,7 @@ engine never reads a clock, every call passes `now` (seconds, non-decreasing):
     engine.abort(rid, now)             # client gone
     engine.apply_hints({pid: Hint.IDLE}, now, full=False) -> {pid: (device, host)}
     engine.apply_scores({"Planner": 0.9}, {pid: "Planner"}, now)   # CacheSage survival
+    engine.apply_priorities({pid: 30.0}, {pid: "app/Coder"}, frozenset({"app/Coder"}), now)
     engine.warm("Planner", 1400, now)  # warm an anchor between steps (load back or prefill)
     engine.residency(pid) -> (device_tokens, host_tokens)
     engine.usage() -> dict             # capacities, used tokens, running / queued counts
@@ -39,12 +40,15 @@ the stale tail at once (SGLang keeps it as an evictable branch no one reuses).
 
 - `lru` (stock SGLang): least recently used first on both tiers; hints are ignored.
 - `typed` (MORI patch): both tiers evict inactive, then idle, then busy (a shared segment
-  takes its users' most protective type), then by CacheSage survival score (anchors only,
-  when the router pushes scores), then LRU. Hints act at once: `idle` drops the device copy
-  of the program's own segments if they are backed up (a device-only suffix or a shared
-  segment pins them, as in the patch), `busy` loads host tokens back to device ahead of the
-  next request (costing PCIe time), `inactive` only ranks the program first to go.
-  Busy-typed requests are admitted before others.
+  takes its users' most protective type), then segments of no critical agent type before
+  those of one (the space scheduler's `critical` types), then by CacheSage survival score
+  (anchors only, when the router pushes scores), then LRU. Hints act at once: `idle` drops
+  the device copy of the program's own segments if they are backed up (a device-only suffix
+  or a shared segment pins them, as in the patch), `busy` loads host tokens back to device
+  ahead of the next request (costing PCIe time), `inactive` only ranks the program first to
+  go.
+  Busy-typed requests are admitted before others, by the space scheduler's program
+  priority when it pushes one (higher first).
 
 Warm-up (CacheSage prefetch): `warm` brings an anchor to device ahead of its role's next
 request, never at a waiting request's expense: not while a request is queued, and making
@@ -212,6 +216,7 @@ class ReplicaEngine:
         self._queue: list[_Request] = []
         self._running: list[_Request] = []
         self._warm: list[tuple[str, int]] = []  # anchors to prefill once nothing else can run
+        self._priority: dict[str, float] = {}  # program -> space-scheduler priority
         self._phase: _Prefill | _Decode | None = None
         self._t = 0.0  # engine clock: where the current phase starts or the last one ended
         self._events: list[EngineEvent] = []
@@ -313,6 +318,23 @@ class ReplicaEngine:
         self.tree.scores = {a: min(1.0, max(0.0, float(s))) for a, s in scores.items()}
         for pid, agent in (agents or {}).items():
             self.tree.set_agent(pid, agent)
+
+    def apply_priorities(
+        self,
+        priorities: dict[str, float],
+        agents: dict[str, str],
+        critical: frozenset[str] | None,
+        now: float,
+    ) -> None:
+        """Space scheduler: programs' priorities (busy requests are admitted highest
+        first), their agent types, and the critical types (None: unchanged), whose KV
+        typed eviction takes last within a type."""
+        self._run(now)
+        self._priority.update(priorities)
+        for pid, agent in agents.items():
+            self.tree.set_agent(pid, agent)
+        if critical is not None:
+            self.tree.critical = frozenset(critical)
 
     def warm(self, anchor: str, tokens: int, now: float) -> str:
         """Bring anchor `(anchor, tokens)` to device ahead of its next use (module
@@ -448,8 +470,10 @@ class ReplicaEngine:
     def _order(self) -> list[_Request]:
         if not self._typed:
             return self._queue
-        hint = self.tree.hint
+        hint, priority = self.tree.hint, self._priority
         busy = [r for r in self._queue if hint(r.program_id) is Hint.BUSY]
+        if priority:
+            busy.sort(key=lambda r: -priority.get(r.program_id, 0.0))
         return busy + [r for r in self._queue if hint(r.program_id) is not Hint.BUSY]
 
     def _admit(self, now: float) -> list[_Request]:
@@ -511,6 +535,8 @@ class ReplicaEngine:
 
     # hints and warm-ups ----------------------------------------------------------------------
     def _apply_hint(self, pid: str, hint: Hint, now: float) -> None:
+        if hint is Hint.INACTIVE:
+            self._priority.pop(pid, None)
         if pid not in self.tree.entries and hint is Hint.INACTIVE:
             return
         e = self.tree.set_hint(pid, hint)

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from router.policy import Policy, PolicyConfig, make_policy
-from router.policy.runtime import AgentEvent, EventKind, PushScores, Warm
+from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import ReplicaCapacity
 from router.replay.corpus import ClosedLoopCorpus, HandOffs
 from router.replay.records import RunResult, StepRecord, summarize
@@ -64,6 +65,10 @@ class SimConfig:
     start_jitter_s: float = 5.0  # clients start uniformly over this span, not all at t=0
     policy_config: dict = field(default_factory=dict)
     gpu_tokens: int | None = None  # device KV budget per replica (None: the preset's)
+    app_graphs: bool = True  # apps register their trace `graph` (False: the policy infers it)
+    # open loop: tasks per second, Poisson (Tokencake §7.1); None: `concurrency` closed-loop
+    # clients. The run then continues until every task that arrived is answered.
+    arrival_rate: float | None = None
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # fail early with the list of known presets
@@ -75,6 +80,7 @@ class SimConfig:
             "token_scale": self.token_scale > 0,
             "start_jitter_s": self.start_jitter_s >= 0,
             "gpu_tokens": self.gpu_tokens is None or self.gpu_tokens > 0,
+            "arrival_rate": self.arrival_rate is None or self.arrival_rate > 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -110,6 +116,7 @@ class _Request:
 
 # event kinds, ordered so that at equal times engines finish before clients act
 _ENGINE, _TICK, _ARRIVE, _SPAWN, _WAKE = range(5)
+DRAIN_X = 1.0  # open loop: the run may go on this x duration_s for the last tasks to finish
 
 
 class Simulation:
@@ -132,6 +139,9 @@ class Simulation:
         self._util_area = 0.0
         self._util_t = 0.0
         self._running_area = 0.0
+        self._tasks_area = 0.0  # task-seconds in flight (open loop: mean tasks in flight)
+        self.tasks_live = 0  # main programs started and not ended
+        self._arrivals_left = 0  # open loop: tasks still to arrive
         self._forwarded: list[_Request] = []
         self.clients: dict[str, _Client] = {}  # live program instances by pid
         self.handoffs = HandOffs()  # steps of a task that other programs' steps wait for
@@ -139,6 +149,9 @@ class Simulation:
         self._build_policy_and_engines()
         self._observe = getattr(self.policy, "observe", None)  # runtime-layer policies only
         self._actions = getattr(self.policy, "runtime_actions", None)
+        # graph-aware policies (mori+space): apps register their graph when first seen
+        self._register = getattr(self.policy, "register_app", None) if config.app_graphs else None
+        self.apps: set[str] = set()
 
     def _build_policy_and_engines(self) -> None:
         cfg = self.config
@@ -173,15 +186,24 @@ class Simulation:
 
     # run ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
-        """Simulate `duration_s` virtual seconds; `progress(fraction)` now and then."""
+        """Simulate `duration_s` virtual seconds (open loop: then until the tasks that
+        arrived are answered, at most `DRAIN_X` x longer); `progress(fraction)` now and
+        then."""
         started = time.perf_counter()
         cfg = self.config
-        for _ in range(cfg.concurrency):
-            self._push(self.rng.uniform(0, cfg.start_jitter_s), _SPAWN, None)
+        horizon = cfg.duration_s
+        if cfg.arrival_rate is None:
+            for _ in range(cfg.concurrency):
+                self._push(self.rng.uniform(0, cfg.start_jitter_s), _SPAWN, None)
+        else:
+            self._schedule_arrivals(cfg.arrival_rate)
+            horizon *= 1 + DRAIN_X
         self._push(0.0, _TICK, None)
         next_report = 0.0
-        while self.heap and self.heap[0][0] <= cfg.duration_s:
+        while self.heap and self.heap[0][0] <= horizon:
             t, kind, _, payload = heapq.heappop(self.heap)
+            if t > cfg.duration_s and not self.tasks_live and not self._arrivals_left:
+                break  # open loop: every task that arrived is answered
             self._account_util(t)
             self.now = t
             if kind == _ENGINE:
@@ -198,18 +220,20 @@ class Simulation:
             else:
                 self._start_client(payload)  # type: ignore[arg-type]
             if progress is not None and t >= next_report:
-                progress(t / cfg.duration_s)
+                progress(min(1.0, t / cfg.duration_s))
                 next_report = t + cfg.duration_s / 100
-        self._account_util(cfg.duration_s)
+        open_loop = cfg.arrival_rate
+        end = cfg.duration_s if open_loop is None else max(cfg.duration_s, self.now)
+        self._account_util(end)
         wall = time.perf_counter() - started
         capacity = len(self.engines) * next(iter(self.engines.values())).gpu_tokens
-        gpu_util = self._util_area / (cfg.duration_s * capacity)
+        gpu_util = self._util_area / (end * capacity)
         stats = [e.stats for e in self.engines.values()]
         waits = [r.forwarded - r.arrival for r in self._forwarded]
         extra = {
             "gate_wait_mean_s": round(sum(waits) / len(waits), 3) if waits else 0.0,
-            "running_mean": round(self._running_area / cfg.duration_s / len(self.engines), 2),
-            "prefill_busy": round(sum(s["prefill_s"] for s in stats) / cfg.duration_s, 3),
+            "running_mean": round(self._running_area / end / len(self.engines), 2),
+            "prefill_busy": round(sum(s["prefill_s"] for s in stats) / end, 3),
             "prefill_tokens": sum(s["prefill_tokens"] for s in stats),
             "loaded_tokens": sum(s["loaded_tokens"] for s in stats),
             "warm_loaded_tokens": sum(s["warm_loaded_tokens"] for s in stats),
@@ -219,7 +243,8 @@ class Simulation:
             "gpu_tokens": next(iter(self.engines.values())).gpu_tokens,
             "replicas": cfg.replicas,
             "token_scale": cfg.token_scale,
-            "duration_s": cfg.duration_s,
+            "duration_s": end,
+            **self._open_loop_stats(end),
             "seed": cfg.seed,
             "window": self.policy.config.window,
             "tick_s": self.policy.config.tick_s,
@@ -228,26 +253,48 @@ class Simulation:
             # TTFT statistics only count answered steps
             "held_at_end": len(self.gated),
             "held_max_wait_s": round(
-                max((cfg.duration_s - r.arrival for r in self.gated.values()), default=0.0), 3
+                max((end - r.arrival for r in self.gated.values()), default=0.0), 3
             ),
             "failed_steps": sum(not r.ok for r in self.records),
             "sim_wall_s": round(wall, 3),
         }
         return summarize(
             self.records,
-            cfg.duration_s,
+            end,
             policy=cfg.policy,
-            concurrency=cfg.concurrency,
+            concurrency=cfg.concurrency
+            if cfg.arrival_rate is None
+            else round(self._tasks_area / end),
             cpu_ratio=cfg.cpu_ratio,
             gpu_util=gpu_util,
             extra=extra,
         )
+
+    def _schedule_arrivals(self, rate: float) -> None:
+        """Open loop (Tokencake §7.1): tasks arrive as a Poisson process of `rate` per
+        second over `duration_s`, whatever the ones before them are doing."""
+        rng = random.Random(f"arrivals-{self.config.seed}")
+        t = rng.expovariate(rate)
+        while t <= self.config.duration_s:
+            self._push(t, _SPAWN, None)
+            self._arrivals_left += 1
+            t += rng.expovariate(rate)
+
+    def _open_loop_stats(self, end: float) -> dict:
+        if self.config.arrival_rate is None:
+            return {}
+        return {
+            "arrival_rate": self.config.arrival_rate,
+            "tasks_in_flight_mean": round(self._tasks_area / end, 2),
+            "tasks_unfinished": self.tasks_live + self._arrivals_left,
+        }
 
     def _account_util(self, t: float) -> None:
         if t > self._util_t:
             usages = [e.usage() for e in self.engines.values()]
             self._util_area += (t - self._util_t) * sum(u["device_active_tokens"] for u in usages)
             self._running_area += (t - self._util_t) * sum(u["running"] for u in usages)
+            self._tasks_area += (t - self._util_t) * self.tasks_live
             self._util_t = t
 
     # clients -----------------------------------------------------------------------------
@@ -255,6 +302,12 @@ class Simulation:
         """Start a program instance: the next main program (None) or a given subagent
         (with its parent's pid)."""
         program, parent = spawn if spawn is not None else (self.corpus.next_main(), None)
+        if spawn is None:
+            self.tasks_live += 1
+            self._arrivals_left -= self.config.arrival_rate is not None
+        if program.graph and self._register is not None and program.app not in self.apps:
+            self.apps.add(program.app)  # type: ignore[arg-type]
+            self._register(program.app, program.graph)  # what the app sends: POST /v1/apps
         client = _Client(f"{program.program_id}#{self.corpus.next_instance()}", program, parent)
         owner = self.clients.get(parent) if parent is not None else None
         client.session = owner.session if owner is not None else (parent or client.pid)
@@ -288,6 +341,7 @@ class Simulation:
                     program.agent,
                     client.session,
                     program.anchor_tokens,
+                    app=program.app,
                 )
             )
         self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
@@ -350,6 +404,10 @@ class Simulation:
                 engine.apply_scores(dict(action.scores), dict(action.agents), self.now)
             elif isinstance(action, Warm):
                 self.warms[engine.warm(action.agent, action.anchor_tokens, self.now)] += 1
+            elif isinstance(action, PushPriorities):
+                engine.apply_priorities(
+                    dict(action.priorities), dict(action.agents), action.critical, self.now
+                )
             self._schedule_engine(action.replica)
 
     # engines -----------------------------------------------------------------------------
@@ -389,6 +447,9 @@ class Simulation:
                 cached_device=req.cached[0],
                 cached_host=req.cached[1],
                 ok=ev.ok,
+                session=client.session,
+                agent=client.program.agent,
+                last=client.step + 1 == len(client.program.steps),
             )
         )
         usage = st.input_tokens + st.output_tokens if ev.ok else None
@@ -410,7 +471,9 @@ class Simulation:
         if client.session == client.pid:
             self.handoffs.end(client.session)
         if client.program.parent_id is None:
-            self._start_client(None)  # closed loop: the slot takes the next program
+            self.tasks_live -= 1
+            if self.config.arrival_rate is None:
+                self._start_client(None)  # closed loop: the slot takes the next program
 
 
 def simulate(corpus: list[TraceProgram], config: SimConfig, progress=None) -> RunResult:
