@@ -189,6 +189,11 @@ class ContinuumPolicy(Policy):
                     self._mark_lazy(p, WAITING)
         return moves + self._schedule(now)
 
+    def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
+        """A drained replica's held requests take their turn elsewhere at once."""
+        moves = super().set_healthy(replica, healthy, now)
+        return moves if healthy else moves + self._schedule(now)
+
     # scheduling --------------------------------------------------------------------------------
     def _schedule(self, now: float) -> list[Move]:
         moves: list[Move] = []
