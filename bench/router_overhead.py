@@ -143,12 +143,20 @@ def _worker(args: tuple) -> list:
     return asyncio.run(_worker_main(*args))
 
 
+def in_processes(job, base: str, streams: int, procs: int, seconds: float, warmup: float) -> list:
+    """`streams` closed loops split over `procs` spawned processes (one: this process);
+    `job((base, streams, seconds, warmup, tag))` runs each share; their results."""
+    procs = max(1, min(procs, streams))
+    shares = [streams // procs + (i < streams % procs) for i in range(procs)]
+    jobs = [(base, n, seconds, warmup, f"s{streams}p{i}") for i, n in enumerate(shares)]
+    if procs == 1:
+        return [job(jobs[0])]
+    with mp.get_context("spawn").Pool(procs) as pool:
+        return pool.map(job, jobs)
+
+
 def run_load(base: str, concurrency: int, workers: int, seconds: float, warmup: float) -> dict:
-    workers = max(1, min(workers, concurrency))
-    shares = [concurrency // workers + (i < concurrency % workers) for i in range(workers)]
-    jobs = [(base, n, seconds, warmup, f"w{i}") for i, n in enumerate(shares)]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        results = pool.map(_worker, jobs)
+    results = in_processes(_worker, base, concurrency, workers, seconds, warmup)
     samples = [s for r in results for s in r[0]]
     errors = sum(r[1] for r in results)
     done = sum(r[2] for r in results)

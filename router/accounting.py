@@ -16,10 +16,10 @@ Prompt-cache hits, as SGLang (0.5.17 and 0.5.23 alike) reports them:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from router import codec
 from router.policy.predictor import tool_key_of_calls
 
 # Request field that makes SGLang report its device/host split of cached prompt tokens.
@@ -99,14 +99,14 @@ def without_sglext(content: bytes) -> bytes:
     if doc is None or "sglext" not in doc:
         return content
     doc.pop("sglext")
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return codec.dumps(doc)
 
 
 def _json_object(content: bytes) -> dict | None:
     """The answer body as a JSON object, or None: a garbled engine answer is relayed as is,
     it just carries no usage."""
     try:
-        doc = json.loads(content)
+        doc = codec.loads(content)
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
@@ -137,6 +137,7 @@ class OpenAIStream:
         self.client_wants_usage = client_wants_usage
         self.client_wants_details = client_wants_details
         self.usage = Usage()
+        self.ended = False  # the `[DONE]` event went by: the client has the whole answer
         self._buffer = b""
         self._names: dict[int, str] = {}  # tool call index -> function name
         self._args: dict[int, list[str]] = {}  # tool call index -> argument fragments
@@ -166,6 +167,7 @@ class OpenAIStream:
         has_usage = b'"usage"' in event and b'"usage":null' not in event.replace(b" ", b"")
         has_ext = b'"sglext"' in event
         if not has_usage and not has_ext and b'"tool_calls"' not in event:
+            self.ended = self.ended or event.strip() in (b"data: [DONE]", b"data:[DONE]")
             return out
         doc = _sse_json(event)
         if doc is None:
@@ -179,7 +181,7 @@ class OpenAIStream:
                     return b""
                 for key in forced:
                     doc.pop(key)
-                out = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+                out = b"data: " + codec.dumps(doc) + b"\n\n"
         self._tool_delta(doc)
         return out
 
@@ -231,6 +233,7 @@ class AnthropicStream:
 
     def __init__(self, client_wants_usage: bool = True) -> None:
         self.usage = Usage()
+        self.ended = False  # `message_stop` went by: the client has the whole answer
         self._buffer = b""
         self._calls: dict[Any, tuple[str, list[str]]] = {}  # block index -> (name, input)
 
@@ -254,6 +257,9 @@ class AnthropicStream:
 
     def _event(self, event: bytes) -> None:
         if b'"usage"' not in event and b"tool_use" not in event and b"input_json" not in event:
+            if b"message_stop" in event:
+                doc = _sse_json(event)
+                self.ended = self.ended or (doc is not None and doc.get("type") == "message_stop")
             return
         doc = _sse_json(event)
         if doc is None:
@@ -279,7 +285,7 @@ def _sse_json(event: bytes) -> dict[str, Any] | None:
     if not data or data == b"[DONE]":
         return None
     try:
-        doc = json.loads(data)
+        doc = codec.loads(data)
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None

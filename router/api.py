@@ -1,43 +1,36 @@
-"""The router's HTTP face: OpenAI / Anthropic inference endpoints, admin API, /metrics.
+"""The policy owner's HTTP face: admin API, program endpoints, /health, /metrics.
 
-`create_app(config)` builds a FastAPI app whose lifespan owns one `Router`. Inference
-requests are validated here (cheaply: the engine validates the rest) and handed to an
-`Exchange`, which gates, forwards and accounts for them.
+`create_app(config)` builds the FastAPI app whose lifespan owns the one `Router`. It is
+served on the owner's private loopback port; the data-plane workers (router/worker.py)
+serve the public port, handle the inference endpoints themselves and relay every other
+request here unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 from router import identity
+from router.auth import Auth
 from router.config import RouterConfig
 from router.controller import Router
 from router.errors import ApiError
-from router.exchange import Call, Exchange
-from router.intake import Hints, Intake, agent_role, parse_json_object, read_body
+from router.intake import agent_role, parse_json_object, read_body, request_hints
 from router.policy import Policy
 from router.policy.types import Placement, Tier
-from router.sanitize import LabelError, check_label, forwarded_headers, header_text
+from router.sanitize import LabelError, check_label
+from router.upstream import UpstreamError
 
 log = logging.getLogger("mori.api")
-
-INFERENCE_PATHS = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "messages": "/v1/messages",
-}
 
 
 def create_app(
@@ -45,9 +38,8 @@ def create_app(
     policy: Policy | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
-    """The ASGI app of `mori serve` (also used in-process by tests and benchmarks)."""
+    """The owner's ASGI app (also used in-process by tests)."""
     router = Router(config, policy=policy, clock=clock)
-    intake = Intake(config.worker_parse_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,57 +47,31 @@ def create_app(
         try:
             yield
         finally:
-            intake.close()
             await router.stop()
 
-    app = RouterApp(title="MORI router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="MORI router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     _install_error_handlers(app)
     auth = Auth(config)
 
-    async def proxy(request: Request, kind: str) -> Response:
-        key = auth.client(request)
-        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
-        prepared = await intake.prepare(kind, raw, request_hints(request, key))
-        call = Call(
-            path=INFERENCE_PATHS[kind],
-            anthropic=kind == "messages",
-            content=prepared.content,
-            rid=prepared.rid,
-            program_id=prepared.program_id,
-            stream=prepared.stream,
-            client_wants_usage=prepared.client_wants_usage,
-            client_wants_details=prepared.client_wants_details,
-            prompt_chars=prepared.prompt_chars,
-            arrival=router.clock(),
-            headers=forwarded_headers(request.headers),
-            agent=prepared.agent,
-            anchor=prepared.anchor,
-            parent=prepared.parent,
-            app=prepared.app,
-        )
-        return Exchange(router, call)
-
-    app.fast_paths = {
-        path: functools.partial(proxy, kind=kind) for kind, path in INFERENCE_PATHS.items()
-    }
-
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        auth.client(request)
+        auth.client(request.headers)
         for url in router.policy.tiers.replicas():
-            with contextlib.suppress(Exception):
-                r = await router.client.get(url + "/v1/models", timeout=config.health_timeout_s)
-                if r.status_code == 200:
-                    return Response(r.content, media_type="application/json")
+            with contextlib.suppress(UpstreamError):
+                status, content = await router.upstream.call(
+                    url, b"GET", b"/v1/models", timeout_s=config.health_timeout_s
+                )
+                if status == 200:
+                    return Response(content, media_type="application/json")
         raise ApiError(503, "no healthy replica answered /v1/models", code="upstream_unavailable")
 
     # programs --------------------------------------------------------------------------
     def program_of(request: Request, program_id: str) -> str:
         """Admin callers name the full id; clients name their own (namespaced by key)."""
-        if auth.is_admin(request):
+        if auth.is_admin(request.headers):
             return program_id
-        return identity.namespace(auth.client(request)) + program_id
+        return identity.namespace(auth.client(request.headers)) + program_id
 
     def known(program_id: str) -> None:
         if program_id not in router.policy.programs:
@@ -130,7 +96,7 @@ def create_app(
         predict = body.get("predict_time")
         if predict is not None and (not _number(predict) or predict < 0):
             raise ApiError(400, "`predict_time` must be a number of seconds >= 0", "predict_time")
-        agent = agent_role(body.get("agent"), request_hints(request, None).agent)
+        agent = agent_role(body.get("agent"), request_hints(request.headers, None).agent)
         known(pid)
         router.apply(router.policy.on_tool_start(pid, router.clock(), tool, agent, predict))
         return {"program_id": pid, "tool": tool}
@@ -144,7 +110,7 @@ def create_app(
 
     @app.get("/v1/programs")
     async def list_programs(request: Request) -> dict[str, Any]:
-        auth.admin(request)
+        auth.admin(request.headers)
         now = router.clock()
         return {
             "object": "list",
@@ -156,7 +122,7 @@ def create_app(
 
     @app.get("/v1/programs/{program_id:path}")
     async def get_program(request: Request, program_id: str) -> dict[str, Any]:
-        auth.admin(request)
+        auth.admin(request.headers)
         view = router.policy.describe(program_id, router.clock())
         if view is None:
             raise ApiError(404, f"no live program {program_id!r}", param="program_id")
@@ -177,7 +143,7 @@ def create_app(
     async def register_app(request: Request) -> dict[str, Any]:
         """An application's agent graph: `{"app_id": ..., "edges": [[from, to], ...]}`;
         its requests then name it (`app_id` in the body or `X-App-Id`) and their role."""
-        key = auth.client(request)
+        key = auth.client(request.headers)
         body = parse_json_object(
             await read_body(request, config.max_body_bytes, config.body_timeout_s)
         )
@@ -194,8 +160,8 @@ def create_app(
 
     def app_of(request: Request, app_id: str) -> tuple[Any, str]:
         policy = graphs_policy()
-        if not auth.is_admin(request):
-            app_id = identity.namespace(auth.client(request)) + app_id
+        if not auth.is_admin(request.headers):
+            app_id = identity.namespace(auth.client(request.headers)) + app_id
         if app_id not in policy.graphs.registered and app_id not in policy.graphs.inferred:
             raise ApiError(404, f"no application {app_id!r}", param="app_id")
         return policy, app_id
@@ -214,7 +180,7 @@ def create_app(
 
     @app.get("/v1/apps")
     async def list_apps(request: Request) -> dict[str, Any]:
-        auth.admin(request)
+        auth.admin(request.headers)
         graphs = graphs_policy().graphs
         data = [app_view(a, graphs.shapes_of(a)) for a in graphs.registered]
         data += [app_view(a, graphs.shapes_of(a), True) for a in graphs.inferred]
@@ -222,7 +188,7 @@ def create_app(
 
     @app.get("/v1/replicas")
     async def replicas(request: Request) -> dict[str, Any]:
-        auth.admin(request)
+        auth.admin(request.headers)
         data = [replica_view(router, url) for url in router.replicas]
         return {"object": "list", "policy": router.policy.name, "data": data}
 
@@ -243,34 +209,6 @@ def create_app(
     return app
 
 
-class RouterApp(FastAPI):
-    """FastAPI app whose inference endpoints skip the middleware stack.
-
-    Those are the hot path: FastAPI's exception, telemetry, body-limit and routing layers
-    cost ~15% of the router's CPU per request. Their errors are still OpenAI-shaped.
-    """
-
-    fast_paths: dict[str, Callable[[Request], Awaitable[Response]]] = {}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.fast_paths.get(scope["path"])
-        if handler is None:
-            await super().__call__(scope, receive, send)
-            return
-        anthropic = scope["path"] == "/v1/messages"
-        try:
-            response = await handler(Request(scope, receive))
-        except ApiError as e:
-            response = e.response(anthropic)
-        except Exception:
-            log.exception("inference request failed in the router")
-            error = ApiError(500, "internal router error", code="internal_error")
-            response = error.response(anthropic)
-        await response(scope, receive, send)
-
-
 def replica_view(router: Router, url: str) -> dict[str, Any]:
     tiers, replica = router.policy.tiers, router.replicas[url]
     view: dict[str, Any] = {
@@ -286,6 +224,9 @@ def replica_view(router: Router, url: str) -> dict[str, Any]:
             "used_tokens": tiers.used(place),
             "budget_tokens": tiers.budget(place),
         }
+    prices = router.policy.prices.get(url)
+    if prices is not None:  # measured from streamed answers (Exchange._price)
+        view["prices"] = prices.view()
     return view
 
 
@@ -295,61 +236,8 @@ def app_view(app_id: str, shapes: dict, inferred: bool = False) -> dict[str, Any
     return {"object": "app", "app_id": app_id, "inferred": inferred, "roles": roles}
 
 
-# --- request parsing --------------------------------------------------------------------
-def request_hints(request: Request, key: str | None) -> Hints:
-    """The headers `prepare` reads, decoded as UTF-8 (400 naming the header if not)."""
-    try:
-        program_id = header_text(request.headers, "x-program-id")
-        agent = header_text(request.headers, "x-agent-role")
-        parent = header_text(request.headers, "x-parent-id")
-        app = header_text(request.headers, "x-app-id")
-    except LabelError as e:
-        raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
-    namespace = identity.namespace(key)
-    return Hints(program_id or None, agent or None, namespace, parent or None, app or None)
-
-
 def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-# --- auth -----------------------------------------------------------------------------
-class Auth:
-    """Client keys (Authorization: Bearer, or Anthropic's x-api-key) and the admin key."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.keys = [k.encode() for k in config.api_keys]
-        self.admin_key = config.admin_key.encode() if config.admin_key else None
-
-    @staticmethod
-    def _presented(request: Request) -> str | None:
-        header = request.headers.get("authorization", "")
-        if header[:7].lower() == "bearer ":
-            return header[7:].strip()
-        return request.headers.get("x-api-key")
-
-    def client(self, request: Request) -> str | None:
-        """The caller's client key (None when no keys are configured); 401 otherwise."""
-        if not self.keys:
-            return None
-        key = self._presented(request)
-        if key is not None and any(hmac.compare_digest(key.encode(), k) for k in self.keys):
-            return key
-        raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
-
-    def is_admin(self, request: Request) -> bool:
-        if self.admin_key is None:
-            return False
-        key = self._presented(request)
-        return key is not None and hmac.compare_digest(key.encode(), self.admin_key)
-
-    def admin(self, request: Request) -> None:
-        """Admin endpoints: the admin key; without one configured, any valid client key."""
-        if self.admin_key is None:
-            self.client(request)
-            return
-        if not self.is_admin(request):
-            raise ApiError(403, "this endpoint needs the admin key", code="admin_only")
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -67,6 +67,7 @@ class RouterConfig(BaseModel):
     replicas: list[ReplicaSpec] = Field(default_factory=list)
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
+    workers: int | None = Field(default=None, ge=1)  # data-plane processes; None: the cores
     policy: str = "mori"
     # policy knobs: the same names, defaults and meaning as PolicyConfig (docs/policy.md)
     tick_s: float = Field(default=_POLICY.tick_s, gt=0)

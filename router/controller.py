@@ -15,11 +15,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from router.agent_identity import AnchorBook
 from router.config import RouterConfig
-from router.engines import HintsUnsupported, Replica, make_replicas
+from router.engines import HintsUnsupported, Replica, make_replicas, make_upstream
 from router.gate import Gate
 from router.metrics import RouterMetrics
 from router.outliers import Outliers
@@ -27,9 +25,10 @@ from router.policy import Policy, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity, Tier
 from router.reconcile import parse_residency, reconcile
+from router.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from router.exchange import Call
+    from router.plane import Ticket
 
 WARM_PREFIX = "mori-warm/"  # program ids of CacheSage warm-up requests
 
@@ -54,7 +53,10 @@ class Router:
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
         self.outliers = Outliers(clock, config.stall_s, config.outlier_failures, config.eject_s)
-        self.client, self.pools, self.replicas = make_replicas(config)
+        self.upstream = make_upstream(config)
+        self.replicas = make_replicas(config, self.upstream)
+        # told of every drain (url, why) and rejoin (url, None): the data-plane workers
+        self.listeners: list[Callable[[str, str | None], None]] = []
         self.epoch = 0
         self.in_flight = 0
         self._chars_per_token: dict[str, float] = {}
@@ -97,7 +99,7 @@ class Router:
                 self.apply(self.policy.set_healthy(replica.url, False, now))
             else:
                 self.policy.add_replica(replica.url, result)
-        loops = [self._tick_loop, self._capacity_loop, self._health_loop, self._outlier_loop]
+        loops = [self._tick_loop, self._capacity_loop, self._health_loop]
         if self.policy.sends_hints:
             await self.reconcile()  # before the first full sync: adopt what the engines hold
             loops += [self._hint_loop, self._reconcile_loop]
@@ -122,9 +124,7 @@ class Router:
             await asyncio.wait(self._background, timeout=2.0)
         for probe in list(self._probes.values()):  # a hung replica's probe: not waited for
             probe.cancel()
-        await self.client.aclose()
-        for pool in self.pools:
-            await pool.aclose()
+        self.upstream.close()
 
     # moves -> effects ---------------------------------------------------------------
     def apply(self, moves: list[Move]) -> None:
@@ -143,17 +143,29 @@ class Router:
             self._carry_out(self._actions(self.clock()))
 
     # agent runtime layer ------------------------------------------------------------------
-    def observe_request(self, call: Call) -> None:
+    @property
+    def wants_anchors(self) -> bool:
+        """Whether requests' anchors must reach the owner (a runtime-layer policy warms
+        them); the workers leave them out of the ticket otherwise."""
+        return self._observe is not None
+
+    def observe_request(self, ticket: Ticket) -> None:
         """Tell a runtime-layer policy who is asking (before `on_request`)."""
         if self._observe is None:
             return
-        if call.agent and call.anchor is not None:
-            self.anchors.remember(call.agent, call.anchor)
-        tokens = call.anchor.tokens if call.anchor is not None else 0
+        if ticket.agent and ticket.anchor is not None:
+            self.anchors.remember(ticket.agent, ticket.anchor)
+        tokens = ticket.anchor.tokens if ticket.anchor is not None else 0
         event = AgentEvent(
-            EventKind.REQUEST, self.clock(), call.program_id, call.agent, None, tokens, app=call.app
+            EventKind.REQUEST,
+            self.clock(),
+            ticket.program_id,
+            ticket.agent,
+            None,
+            tokens,
+            app=ticket.app,
         )
-        self._observe(event if call.parent is None else replace(event, parent=call.parent))
+        self._observe(event if ticket.parent is None else replace(event, parent=ticket.parent))
 
     def _carry_out(self, actions: list) -> None:
         """Scores ride with the next hint push; a warm-up goes out when no request waits at
@@ -188,17 +200,17 @@ class Router:
         """Send the anchor with a one-character question and one output token (CacheSage
         §3.4); then type the warm-up program inactive so it never ranks the anchor busy."""
         program_id = WARM_PREFIX + agent
+        body = {"model": "default", **anchor.warm_body(program_id)}
         try:
-            r = await self.client.post(
-                replica.url + "/v1/chat/completions",
-                json={"model": "default", **anchor.warm_body(program_id)},
-                timeout=self.config.health_timeout_s * 4,
+            timeout_s = self.config.health_timeout_s * 4
+            status, _ = await self.upstream.call_json(
+                replica.url, b"POST", b"/v1/chat/completions", body, timeout_s
             )
-            outcome = "ok" if r.status_code == 200 else f"http_{r.status_code}"
-            if r.status_code == 200 and replica.hints_supported:
+            outcome = "ok" if status == 200 else f"http_{status}"
+            if status == 200 and replica.hints_supported:
                 self.epoch = max(self.epoch + 1, int(time.time() * 1000))
                 await replica.push_hints(self.epoch, {program_id: Hint.INACTIVE}, False)
-        except (httpx.HTTPError, HintsUnsupported) as e:
+        except (UpstreamError, ValueError, HintsUnsupported) as e:
             outcome = type(e).__name__
         finally:
             self._warming.discard(replica.url)
@@ -266,18 +278,23 @@ class Router:
         self.apply(self.policy.set_healthy(replica.url, False, self.clock()))
         self.metrics.replica_healthy.labels(replica.url).set(0)
         self.metrics.ejections.labels(replica.url, reason).inc()
-        self.outliers.cut_silent(replica.url, f"replica drained: {why}")
+        self._tell(replica.url, f"replica drained: {why}")
+
+    def _tell(self, url: str, why: str | None) -> None:
+        for listener in self.listeners:
+            listener(url, why)
 
     async def _rejoin(self, replica: Replica) -> None:
         try:
             cap = await replica.fetch_capacity(self.config.host_ratio)
-        except (httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, ValueError) as e:
             log.info("replica %s healthy but capacity unknown: %s", replica.url, e)
             return
         self.policy.set_capacity(replica.url, cap)
         log.warning("replica %s rejoined", replica.url)
         self.apply(self.policy.set_healthy(replica.url, True, self.clock()))
         self.metrics.replica_healthy.labels(replica.url).set(1)
+        self._tell(replica.url, None)
         if self.policy.sends_hints:
             await self.sync_hints(full=True)
 
@@ -317,7 +334,7 @@ class Router:
                 continue
             try:
                 cap = await replica.fetch_capacity(self.config.host_ratio)
-            except (httpx.HTTPError, ValueError) as e:
+            except (UpstreamError, ValueError) as e:
                 log.info("capacity refresh of %s failed: %s", replica.url, e)
                 continue
             if cap != self.policy.tiers.capacity.get(replica.url):
@@ -341,19 +358,15 @@ class Router:
             if healthy and replica.failures >= self.config.health_failures:
                 self.drain(replica, f"{replica.failures} failed health checks", "health")
 
-    async def _outlier_loop(self) -> None:
-        await self._every(self.config.stall_s / 4, self.watch_outliers)
-
-    def watch_outliers(self) -> None:
-        """Silent replicas: a drained one has its silent requests cut; a healthy one is
-        probed (at most once per `stall_s`) and drained if the probe fails."""
-        for url in self.outliers.silent():
-            replica = self.replicas[url]
-            if not self.policy.tiers.healthy[url]:
-                self.outliers.cut_silent(url, "replica drained and silent")
-            elif self.outliers.due_probe(url):
-                silence = f"no byte for {self.config.stall_s:g} s with requests in flight"
-                self.spawn(self.confirm(replica, silence, "stalled"))
+    def on_silent(self, url: str) -> None:
+        """A worker's requests on a healthy replica have been silent for `stall_s`: probe
+        it (at most once per `stall_s`) and drain it if the probe fails."""
+        replica = self.replicas.get(url)
+        if replica is None or not self.policy.tiers.healthy.get(url, False):
+            return
+        if self.outliers.due_probe(url):
+            silence = f"no byte for {self.config.stall_s:g} s with requests in flight"
+            self.spawn(self.confirm(replica, silence, "stalled"))
 
     def probe(self, replica: Replica) -> asyncio.Future[bool]:
         """The replica's health probe: one in flight at a time, shared by all who ask."""
@@ -482,7 +495,7 @@ class Router:
             self.metrics.hint_unsupported.labels(replica.url).inc()
             self.metrics.hint_pushes.labels(replica.url, "unsupported").inc()
             return
-        except (httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, ValueError) as e:
             log.info("hint push to %s failed: %s", replica.url, e)
             self.metrics.hint_pushes.labels(replica.url, "error").inc()
             return

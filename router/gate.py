@@ -9,8 +9,7 @@ router sets them all (`wake_all`) and each re-asks `route()`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 
 class GateTimeout(Exception):
@@ -31,28 +30,10 @@ class Gate:
         self._ended: set[str] = set()  # held programs ended while waiting
         self.waiting = 0  # requests blocked in `until_routed`
 
-    @contextlib.asynccontextmanager
-    async def turn(self, program_id: str, deadline: float) -> AsyncIterator[None]:
-        """Serialise requests of one program; the lock is dropped when nobody uses it."""
-        lock, users = self._turns.get(program_id, (None, 0))
-        if lock is None:
-            lock = asyncio.Lock()
-        self._turns[program_id] = (lock, users + 1)
-        try:
-            if lock.locked():
-                await self._bounded(lock.acquire, deadline)
-            else:
-                await lock.acquire()  # uncontended: no timer needed
-            try:
-                yield
-            finally:
-                lock.release()
-        finally:
-            lock, users = self._turns[program_id]
-            if users <= 1:
-                del self._turns[program_id]
-            else:
-                self._turns[program_id] = (lock, users - 1)
+    def turn(self, program_id: str, deadline: float) -> _Turn:
+        """Serialise requests of one program (`async with gate.turn(...)`); the lock is
+        dropped when nobody uses it."""
+        return _Turn(self, program_id, deadline)
 
     async def until_routed(
         self, program_id: str, route: Callable[[], str | None], deadline: float
@@ -102,3 +83,40 @@ class Gate:
                 await wait()
         except TimeoutError:
             raise GateTimeout from None
+
+
+class _Turn:
+    """One request's turn on its program (a class, not a generator: it is on every request)."""
+
+    __slots__ = ("gate", "program_id", "deadline", "lock")
+
+    def __init__(self, gate: Gate, program_id: str, deadline: float) -> None:
+        self.gate, self.program_id, self.deadline = gate, program_id, deadline
+
+    async def __aenter__(self) -> None:
+        turns = self.gate._turns
+        lock, users = turns.get(self.program_id, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        turns[self.program_id] = (lock, users + 1)
+        self.lock = lock
+        try:
+            if lock.locked():
+                await self.gate._bounded(lock.acquire, self.deadline)
+            else:
+                await lock.acquire()  # uncontended: no timer needed
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        turns = self.gate._turns
+        lock, users = turns[self.program_id]
+        if users <= 1:
+            del turns[self.program_id]
+        else:
+            turns[self.program_id] = (lock, users - 1)

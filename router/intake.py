@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import multiprocessing
-import uuid
+import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from router import identity
+from router import codec, identity
 from router.accounting import CACHE_DETAILS_FLAG
 from router.agent_identity import Anchor, anchor_of
 from router.errors import ApiError
-from router.sanitize import LabelError, check_label
+from router.sanitize import LabelError, check_label, header_text
 
 log = logging.getLogger("mori.intake")
 
@@ -60,6 +60,19 @@ class Hints:
     namespace: str = ""
     parent: str | None = None  # X-Parent-Id
     app: str | None = None  # X-App-Id
+
+
+def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
+    """The headers `prepare` reads, decoded as UTF-8 (400 naming the header if not)."""
+    try:
+        program_id = header_text(headers, "x-program-id")
+        agent = header_text(headers, "x-agent-role")
+        parent = header_text(headers, "x-parent-id")
+        app = header_text(headers, "x-app-id")
+    except LabelError as e:
+        raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
+    namespace = identity.namespace(key)
+    return Hints(program_id or None, agent or None, namespace, parent or None, app or None)
 
 
 # --- reading --------------------------------------------------------------------------
@@ -97,7 +110,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = codec.loads(raw)
     except (ValueError, RecursionError):
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -119,11 +132,6 @@ def _shallow(doc: Any, limit: int) -> bool:
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
     return True
-
-
-def _reject_constant(name: str) -> Any:
-    """NaN and Infinity are not JSON; engines choke on them."""
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def agent_role(field: Any, header: str | None) -> str | None:
@@ -160,7 +168,7 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     app = body.pop("app_id", None)
     app = _label(app, "app_id") if app is not None else hints.app
     rid = body.get("rid")
-    rid = _label(rid, "rid") if rid is not None else uuid.uuid4().hex
+    rid = _label(rid, "rid") if rid is not None else secrets.token_hex(16)
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     wants_details = bool(body.get(CACHE_DETAILS_FLAG))
@@ -177,7 +185,7 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         client_wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         client_wants_details=wants_details,
         rid=rid,
-        content=json.dumps(body, separators=(",", ":")).encode(),
+        content=codec.dumps(body),
         prompt_chars=prompt_chars(body),
         anchor=anchor,
         parent=hints.namespace + parent if parent else None,

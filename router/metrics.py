@@ -6,6 +6,8 @@ one process without clashing on the global default registry.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -35,6 +37,7 @@ class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
         self.programs = Gauge("mori_programs", "programs per tier", ["replica", "tier"], registry=r)
         self.tier_tokens = Gauge(
@@ -139,6 +142,14 @@ class RouterMetrics:
             registry=r,
         )
 
+    def child(self, family: Counter | Histogram, *labels: str) -> Any:
+        """`family.labels(*labels)`, looked up once (the request path records several)."""
+        key = (id(family), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*labels)
+        return child
+
     def add_replica(self, replica: str) -> None:
         """Create every per-replica series at zero, so dashboards and alerts see them at once."""
         self.replica_healthy.labels(replica).set(1)
@@ -159,7 +170,7 @@ class RouterMetrics:
         """Count one call's prompt tokens by where the engine found them."""
         hits = usage.hits()
         for source, tokens in hits._asdict().items() if hits else ():
-            self.prompt_cache_tokens.labels(replica, source).inc(tokens)
+            self.child(self.prompt_cache_tokens, replica, source).inc(tokens)
 
     def record_moves(self, moves: list[Move]) -> None:
         for m in moves:

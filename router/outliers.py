@@ -21,14 +21,14 @@ gateway's circuit breaker do, the router watches its own traffic:
   with a clear error), and the replica stays out for `eject_s`, doubled for each ejection
   in a row (capped at `MAX_EJECT_S`), before a passing health check may readmit it.
 
-This module only keeps the books; the router decides (`Router.drain`, `Router.confirm`,
-`Router.watch_outliers`).
+This module only keeps the books. The attempts in flight live with the data-plane worker
+that forwards them (`Attempts`: silence, cuts); streaks and ejections live with the policy
+owner (`Outliers`), which decides (`Router.drain`, `Router.confirm`, `Router.on_silent`)
+and tells every worker about a drain.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,35 +41,69 @@ class Attempt:
 
     replica: str
     last_byte: float  # when the replica last sent a byte for it (its start before any)
-    cutoff: asyncio.Timeout  # rescheduled to now to cut the attempt
+    cutoff: Callable[[str], None] | None = None  # ends the attempt at once (set once sent)
     cut_reason: str | None = None
 
     def cut(self, reason: str) -> None:
-        """Make the attempt's cutoff fire now (once; a no-op once the attempt left it)."""
-        if self.cut_reason is None and self.cutoff.when() is None:
+        """End the attempt now (once; its reader raises)."""
+        if self.cut_reason is None and self.cutoff is not None:
             self.cut_reason = reason
-            with contextlib.suppress(RuntimeError):  # the attempt is already leaving
-                self.cutoff.reschedule(asyncio.get_running_loop().time())
+            self.cutoff(reason)
+
+
+class Attempts:
+    """A data-plane worker's attempts in flight, per replica: silence and cuts."""
+
+    def __init__(self, clock: Callable[[], float], stall_s: float) -> None:
+        self.clock, self.stall_s = clock, stall_s
+        self._by_replica: dict[str, set[Attempt]] = {}
+
+    def begin(self, url: str) -> Attempt:
+        attempt = Attempt(url, self.clock())
+        self._by_replica.setdefault(url, set()).add(attempt)
+        return attempt
+
+    def end(self, attempt: Attempt) -> None:
+        self._by_replica[attempt.replica].discard(attempt)
+
+    def in_flight(self, url: str) -> int:
+        return len(self._by_replica.get(url, ()))
+
+    def silent(self) -> list[str]:
+        """Replicas with attempts in flight and no byte from any of them for `stall_s`."""
+        now = self.clock()
+        return [
+            url
+            for url, attempts in self._by_replica.items()
+            if attempts and now - max(a.last_byte for a in attempts) >= self.stall_s
+        ]
+
+    def cut_silent(self, url: str, reason: str) -> int:
+        """Cut every attempt on the replica silent for `stall_s`; how many were cut."""
+        now = self.clock()
+        silent = [a for a in self._by_replica.get(url, ()) if now - a.last_byte >= self.stall_s]
+        for attempt in silent:
+            attempt.cut(reason)
+        return len(silent)
 
 
 @dataclass
 class _Books:
-    attempts: set[Attempt] = field(default_factory=set)
     failures: int = 0  # requests in a row that failed on the replica
     ejections: int = 0  # ejections in a row (reset by a request served after readmission)
     out_until: float = 0.0  # no readmission before this time
     probed_at: float = float("-inf")  # last probe of the replica for silence
 
 
+@dataclass
 class Outliers:
-    """Per-replica attempts in flight, failure streaks and ejection back-off."""
+    """The owner's books per replica: failure streaks and the ejection back-off."""
 
-    def __init__(
-        self, clock: Callable[[], float], stall_s: float, failures: int, eject_s: float
-    ) -> None:
-        self.clock = clock
-        self.stall_s, self.failures, self.eject_s = stall_s, failures, eject_s
-        self._books: dict[str, _Books] = {}
+    clock: Callable[[], float]
+    stall_s: float
+    failures: int
+    eject_s: float
+    _books: dict[str, _Books] = field(default_factory=dict)
 
     def _of(self, url: str) -> _Books:
         books = self._books.get(url)
@@ -77,49 +111,29 @@ class Outliers:
             books = self._books[url] = _Books()
         return books
 
-    # attempts ------------------------------------------------------------------------
-    def begin(self, url: str, cutoff: asyncio.Timeout) -> Attempt:
-        attempt = Attempt(url, self.clock(), cutoff)
-        self._of(url).attempts.add(attempt)
-        return attempt
-
-    def end(self, attempt: Attempt, ok: bool | None) -> bool:
-        """Close the books on an attempt: `ok` True (served), False (the replica failed it),
-        None (neither: the client left, or the request was refused). True when the
-        replica has now failed `failures` requests in a row."""
-        books = self._of(attempt.replica)
-        books.attempts.discard(attempt)
+    def end(self, url: str, ok: bool | None) -> bool:
+        """Book an attempt's end: `ok` True (served), False (the replica failed it), None
+        (neither: the client left, or the request was refused). True when the replica
+        has now failed `failures` requests in a row."""
         if ok is None:
             return False
+        books = self._of(url)
         if ok:
             books.failures = books.ejections = 0
             return False
         books.failures += 1
         return books.failures >= self.failures
 
-    def in_flight(self, url: str) -> int:
-        return len(self._of(url).attempts)
-
-    # silence -------------------------------------------------------------------------
-    def silent(self) -> list[str]:
-        """Replicas with attempts in flight and no byte from any of them for `stall_s`."""
-        now = self.clock()
-        return [
-            url
-            for url, books in self._books.items()
-            if books.attempts and now - max(a.last_byte for a in books.attempts) >= self.stall_s
-        ]
-
     def due_probe(self, url: str) -> bool:
         """Whether a silent replica may be probed now: once per `stall_s`, so a replica
-        busy with long silent work (a long prefill) is probed at that rate, no faster."""
+        busy with long silent work (a long prefill) is probed at that rate, no faster
+        (however many workers report its silence)."""
         books, now = self._of(url), self.clock()
         if now - books.probed_at < self.stall_s:
             return False
         books.probed_at = now
         return True
 
-    # ejection ------------------------------------------------------------------------
     def eject(self, url: str) -> float:
         """Start (or extend) an ejection; returns how long the replica stays out."""
         books = self._of(url)
@@ -128,14 +142,6 @@ class Outliers:
         span = min(MAX_EJECT_S, self.eject_s * 2 ** (books.ejections - 1))
         books.out_until = self.clock() + span
         return span
-
-    def cut_silent(self, url: str, reason: str) -> int:
-        """Cut every attempt on the replica silent for `stall_s`; how many were cut."""
-        now = self.clock()
-        silent = [a for a in self._of(url).attempts if now - a.last_byte >= self.stall_s]
-        for attempt in silent:
-            attempt.cut(reason)
-        return len(silent)
 
     def may_rejoin(self, url: str) -> bool:
         return self.clock() >= self._of(url).out_until

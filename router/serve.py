@@ -7,6 +7,7 @@ Settings come from defaults < `--config FILE` < MORI_<FIELD> env vars < flags, s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
@@ -51,9 +52,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"mori serve: {e}", file=sys.stderr)
         return 2
-    import uvicorn
-
-    from router.api import create_app
+    from router.owner import serve
     from router.policy import policy_names
 
     if config.policy not in policy_names():
@@ -68,13 +67,10 @@ def run(args: argparse.Namespace) -> int:
     # httpx logs every request at INFO: one line per hint push and health check would
     # drown the router's own log; the router logs the failures that matter itself.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    app = create_app(config)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
     return 0

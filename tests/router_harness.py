@@ -138,12 +138,14 @@ class ScriptedReplica:
         break_streams: bool = False,
         hint_delay_s: float = 0.0,
         count_prompt: bool = False,
+        linger_s: float = 0.0,
     ) -> None:
         self.hints_status, self.tokens, self.delay_s = hints_status, tokens, delay_s
         self.chat_status = chat_status  # an engine answering every chat request with an error
         self.break_streams = break_streams  # streams cut off after their first chunk
         self.hint_delay_s = hint_delay_s
         self.count_prompt = count_prompt  # prompt tokens = 4 characters each, else always 5
+        self.linger_s = linger_s  # a stream ends this long after its [DONE] event
         self.hint_calls = 0
         self.chat_calls = 0
         self.events: list[tuple[str, Any]] = []  # ("hints", batch) when answered, ("request", id)
@@ -212,6 +214,7 @@ class ScriptedReplica:
                     raise ConnectionResetError("stream broken on purpose")
             yield "data: " + json.dumps({"id": body["rid"], "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
+            await asyncio.sleep(self.linger_s)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

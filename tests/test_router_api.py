@@ -112,6 +112,33 @@ def test_router_counts_prompt_tokens_by_cache_source(base):
     }
 
 
+def test_streamed_answers_price_the_replica(base):
+    """Each streamed answer's engine times (measured by the data plane that relayed it)
+    reach the policy's prices; a plain answer, whose first byte is its last, does not."""
+    c = client(base)
+
+    def samples() -> int:
+        reps = httpx.get(base + "/v1/replicas").json()["data"]
+        return sum(r["prices"]["samples"] for r in reps)
+
+    before = samples()
+    for i in range(3):  # ~400 uncached prompt tokens each: past the price's minimum
+        c.chat.completions.create(**chat(f"price-{i}", f"{i} " + "context " * 200))
+    time.sleep(0.2)
+    assert samples() == before
+    for i in range(4):
+        stream = c.chat.completions.create(
+            **chat(f"price-s{i}", f"{i} " + "context " * 200), stream=True
+        )
+        assert [chunk for chunk in stream]
+    deadline = time.monotonic() + 5  # an attempt's report may trail the answer by ms
+    while samples() < before + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert samples() == before + 4
+    for pid in [*(f"price-{i}" for i in range(3)), *(f"price-s{i}" for i in range(4))]:
+        httpx.post(f"{base}/v1/programs/{pid}/end").raise_for_status()  # the engines forget
+
+
 def test_completions_and_models(base):
     c = client(base)
     text = c.completions.create(

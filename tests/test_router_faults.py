@@ -7,6 +7,7 @@ turn or in-flight request left (`assert_clean`), and later requests still succee
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -28,7 +29,7 @@ from tests.router_harness import (
     router,
     serve,
 )
-from tests.servers import mori, spawn
+from tests.servers import free_port, mori, spawn
 
 SLOW = ("--time-scale", "1")  # real-time decoding: a long answer streams for seconds
 
@@ -176,3 +177,58 @@ def test_client_disconnect_mid_stream_on_emulator():
         assert_clean(base)
         assert programs(base)["data"][0]["steps"] == 1
         assert client(base).chat.completions.create(**chat("gone", "back")).choices
+
+
+def test_client_that_leaves_after_done_was_served():
+    """The OpenAI SDK closes the connection at `[DONE]`, before the engine ends its
+    response: that request was served (its usage reaches the policy, no abort is sent),
+    not a client disconnect."""
+    engine = ScriptedReplica(linger_s=0.5, count_prompt=True)
+    with serve(engine) as url, router([url]) as base:
+        c = client(base)
+        for i in range(3):
+            chunks = list(c.chat.completions.create(**chat(f"done-{i}", "x" * 400), stream=True))
+            assert chunks[-1].choices[0].delta.content == "x"
+        time.sleep(1.0)  # every engine response has ended
+        assert metric(base, "mori_requests_total", outcome="ok") == 3
+        assert metric(base, "mori_requests_total", outcome="client_disconnect") == 0
+        assert engine.aborts == []
+        prompt = len(json.dumps([{"role": "user", "content": "x" * 400}])) // 4  # the engine's
+        contexts = [p["context_tokens"] for p in programs(base)["data"]]
+        assert contexts == [prompt + engine.tokens] * 3  # the policy learnt every answer's size
+        assert_clean(base)
+
+
+# --- data-plane workers ------------------------------------------------------------------
+def _worker_pids(owner: int) -> set[int]:
+    """The owner's data-plane worker processes (`python -m router.worker`)."""
+    with open(f"/proc/{owner}/task/{owner}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    pids = set()
+    for pid in children:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"router.worker" in f.read():
+                pids.add(pid)
+    return pids
+
+
+def test_a_killed_data_plane_worker_is_replaced(tmp_path):
+    """A worker process that dies is replaced and the port keeps serving; stopping the
+    router (SIGTERM to its process group, workers included) is not mistaken for a death."""
+    log, config = tmp_path / "router.log", tmp_path / "router.yaml"
+    with emulator() as (url, _):
+        port = free_port()
+        config.write_text(json.dumps({"replicas": [url], "port": port, "workers": 2}))
+        with spawn(mori("serve", "--config", str(config)), port, log=log) as owner:
+            (first,) = _worker_pids(owner.pid)
+            os.kill(first, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not (_worker_pids(owner.pid) - {first}) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _worker_pids(owner.pid) - {first}, "no worker replaced the killed one"
+            base = f"http://127.0.0.1:{port}"
+            for i in range(6):  # both data planes accept on the port
+                assert client(base).chat.completions.create(**chat(f"w{i}")).choices
+            assert_clean(base)
+    errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"worker {first} exited (-9)" in errors[0], errors

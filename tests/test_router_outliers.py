@@ -128,8 +128,11 @@ def test_sigstopped_replica_under_20_streams():
         # active checks only readmit here (a stopped replica never fails 100 in a row)
         with router([url_a, url_b], **OUTLIERS, health_failures=100) as base:
             runs = {f"s{i}": {} for i in range(20)}
+            # 1200 tokens (~10 s): no stream may end on its own around the SIGSTOP, even
+            # when a loaded machine takes seconds to start all 20
             threads = [
-                threading.Thread(target=_stream, args=(base, pid, out)) for pid, out in runs.items()
+                threading.Thread(target=_stream, args=(base, pid, out, 1200))
+                for pid, out in runs.items()
             ]
             for t in threads:
                 t.start()

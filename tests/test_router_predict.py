@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 
 import httpx
 import pytest
@@ -222,9 +223,10 @@ def test_agent_role_is_validated_and_stripped_before_forwarding():
 
 
 # --- a client that leaves while its body is being read -----------------------------------
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/programs/p-1/tool_start"])
-async def test_client_gone_mid_body_is_not_an_error(path, caplog):
-    """Replay cancelling in-flight requests at shutdown: the body never completes."""
+async def test_client_gone_mid_body_is_not_an_error(caplog):
+    """Replay cancelling in-flight requests at shutdown: the body never completes (the
+    owner's endpoints; the data plane's are covered by the test below)."""
+    path = "/v1/programs/p-1/tool_start"
     app = create_app(load_config(None, {"replicas": ["http://127.0.0.1:9"]}, env={}))
     messages = [
         {"type": "http.request", "body": b'{"messages": [{"role": "us', "more_body": True},
@@ -258,3 +260,21 @@ async def test_client_gone_mid_body_is_not_an_error(path, caplog):
     assert sent[0]["status"] == 499  # the server drops it: the client is gone
     live = app.state.router
     assert live.in_flight == 0 and live.gate.waiting == 0 and not live.policy.programs
+
+
+def test_client_gone_mid_body_leaves_no_trace(tmp_path):
+    """The same on the data plane: a client that sends half a body and hangs up is
+    dropped quietly (no error logged, nothing created), and the router serves on."""
+    log = tmp_path / "router.log"
+    with emulators(1) as urls, router(urls, log=log, log_level="info") as base:
+        port = int(base.rsplit(":", 1)[1])
+        for path in ("/v1/chat/completions", "/v1/programs/p-1/tool_start"):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 200\r\n"
+                sock.sendall(head.encode() + b"content-type: application/json\r\n\r\n")
+                sock.sendall(b'{"messages": [{"role": "us')
+        client(base).chat.completions.create(**chat("after", "hello"))
+        view = assert_clean(base)
+        assert [p["program_id"] for p in view["data"]] == ["after"]
+    text = log.read_text()
+    assert "Traceback" not in text and " ERROR " not in text, text

@@ -26,6 +26,7 @@ from tests.sglang.server import (
     PYTHON,
     REAL_ENGINE,
     REPO,
+    ROUTER_SETTINGS,
     Server,
     build_tiny_model,
     installed_version,
@@ -200,7 +201,7 @@ def test_router_in_front_of_two_patched_replicas(tmp_path: Path):
     with (
         patched_servers(2, model, tmp_path, flags) as replicas,
         router(  # a CPU engine on a busy machine is slow: 10 s bounds are for emulators
-            [r.url for r in replicas], tick_s=0.2, gate_timeout_s=60.0, health_timeout_s=5.0
+            [r.url for r in replicas], tick_s=0.2, gate_timeout_s=60.0, **ROUTER_SETTINGS
         ) as base,
     ):
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)

@@ -20,6 +20,7 @@ from tests.sglang.server import (
     PYTHON,
     REAL_ENGINE,
     REPO,
+    ROUTER_SETTINGS,
     Server,
     build_tiny_model,
     installed_version,
@@ -53,7 +54,7 @@ def test_plain_sglang_answers_hints_unsupported_and_the_router_serves_through(pl
     ):
         assert r.status_code == 501, r.text
         assert r.json()["error"]["message"].startswith("hints unsupported"), r.text
-    with router([plain.url], tick_s=0.2, hint_sync_s=0.5) as base:
+    with router([plain.url], tick_s=0.2, hint_sync_s=0.5, **ROUTER_SETTINGS) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         out = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.replay.client import Replay, ReplayConfig
 from router.replay.trace import TraceProgram, TraceStep, load_trace
 from tests.router_harness import metric, router
-from tests.sglang.server import REAL_ENGINE, REPO, Server, tiny_engine
+from tests.sglang.server import REAL_ENGINE, REPO, ROUTER_SETTINGS, Server, tiny_engine
 
 pytestmark = REAL_ENGINE
 
@@ -78,7 +78,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def test_replay_split_equals_the_engines_counters(engine: Server):
     before = engine_counters(engine)
-    with router([engine.url], tick_s=0.2, hint_sync_s=1.0, gate_timeout_s=120.0) as base:
+    settings = {"tick_s": 0.2, "hint_sync_s": 1.0, "gate_timeout_s": 120.0, **ROUTER_SETTINGS}
+    with router([engine.url], **settings) as base:
         config = ReplayConfig(
             base, concurrency=3, duration_s=240, programs=6, start_jitter_s=0.5, seed=1
         )

@@ -46,6 +46,10 @@ def venv_path() -> Path:
 VENV = venv_path()
 PYTHON = VENV / "bin" / "python"
 
+# Settings of a router in front of these servers: SGLang's /health runs a one-token probe
+# and answers after at least 1 s when idle, beyond the 1 s timeout of the emulator tests.
+ROUTER_SETTINGS = {"health_timeout_s": 5.0}
+
 # Small pools so a handful of short programs already overflow the device tier.
 CPU_FLAGS = [
     "--device", "cpu",
