@@ -13,7 +13,8 @@ command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
 python3 -m pytest -q "$@"
 # Other supported SGLang lines' real-engine tests, when asked: MORI_SGLANG_ALSO=0.5.17. CI runs
 # the newest line only (each line adds a ~2.6 GB venv and ~8 min of tests on 2 cores).
-for version in ${MORI_SGLANG_ALSO//,/ }; do
+also="${MORI_SGLANG_ALSO:-}"
+for version in ${also//,/ }; do
   [[ "${MORI_SKIP_SGLANG:-0}" == 1 ]] && break
   scripts/install_sglang_cpu.sh "$version"
   MORI_SGLANG_VERSION="$version" python3 -m pytest -q -m sglang
