@@ -42,31 +42,18 @@ def prompt(program: str) -> list[int]:
 
 
 def generate(server: Server, program: str) -> dict:
-    body = {
-        "input_ids": prompt(program),
-        "session_id": program,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
-    }
-    r = httpx.post(f"{server.url}/generate", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return server.generate(program, prompt(program), timeout=120)
 
 
 def residency(server: Server) -> dict:
-    r = httpx.get(f"{server.url}/mori/residency", timeout=30)
-    assert r.status_code == 200 and "programs" in r.json(), r.text
-    return r.json()
+    view = server.residency()
+    assert "programs" in view, view
+    return view
 
 
 def on_device(server: Server) -> dict[str, int]:
     programs = residency(server)["programs"]
     return {p: programs.get(p, {}).get("device_tokens", 0) for p in PROGRAMS}
-
-
-def push(server: Server, body: dict) -> dict:
-    r = httpx.post(f"{server.url}/mori/hints", json=body, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def first_anchor_lost(server: Server) -> str:
@@ -96,15 +83,14 @@ def test_a_predicted_anchor_survives_pressure_that_evicts_it_under_lru(tmp_path:
             device = on_device(server)
             assert all(tokens >= 48 for tokens in device.values()), device
         inactive = dict.fromkeys(PROGRAMS, "inactive")
-        push(plain, {"epoch": 1, "hints": inactive, "agents": PROGRAMS})
-        answer = push(
-            scored,
+        plain.push_hints({"epoch": 1, "hints": inactive, "agents": PROGRAMS})
+        answer = scored.push_hints(
             {"epoch": 1, "hints": inactive, "agents": PROGRAMS, "scores": {"A": 0.9, "B": 0.1}},
         )
         assert set(answer["residency"]) == set(PROGRAMS)
         assert residency(plain)["anchor_scores"] == {}
         assert residency(scored)["anchor_scores"] == {"A": 0.9, "B": 0.1}
-        stale = push(scored, {"epoch": 0, "hints": {}, "scores": {"A": 0.0, "B": 1.0}})
+        stale = scored.push_hints({"epoch": 0, "hints": {}, "scores": {"A": 0.0, "B": 1.0}})
         assert stale["stale"] and residency(scored)["anchor_scores"] == {"A": 0.9, "B": 0.1}
         assert residency(scored)["state"]["agents"] == len(PROGRAMS)
         bad = httpx.post(

@@ -76,27 +76,11 @@ def run_step(client: OpenAI, program: str) -> str:
 
 
 def hints(server: Server, epoch: int, types: dict[str, str], full: bool = False) -> dict:
-    body = {"epoch": epoch, "hints": types, "full": full}
-    r = httpx.post(f"{server.url}/mori/hints", json=body, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def residency(server: Server) -> dict:
-    r = httpx.get(f"{server.url}/mori/residency", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return server.push_hints({"epoch": epoch, "hints": types, "full": full})
 
 
 def generate(server: Server, program: str) -> dict:
-    body = {
-        "input_ids": prompt_of(program),
-        "session_id": program,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
-    }
-    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return server.generate(program, prompt_of(program))
 
 
 def device(res: dict, programs: list[str]) -> int:
@@ -120,9 +104,9 @@ def test_hint_endpoint_validates_and_is_idempotent(server: Server):
     assert first == hints(server, 1, {"zz": "inactive"})
     assert first["residency"] == {"zz": {"device_tokens": 0, "host_tokens": 0}}
     assert hints(server, 0, {"zz": "busy"})["stale"] is True
-    assert "zz" not in residency(server)["programs"]  # inactive, holds nothing: forgotten
+    assert "zz" not in server.residency()["programs"]  # inactive, holds nothing: forgotten
     hints(server, 2, {"zz": "idle"})
-    assert residency(server)["programs"]["zz"]["hint"] == "idle"
+    assert server.residency()["programs"]["zz"]["hint"] == "idle"
 
 
 def test_typed_eviction_and_offload_under_pressure(server: Server, client: OpenAI):
@@ -130,13 +114,13 @@ def test_typed_eviction_and_offload_under_pressure(server: Server, client: OpenA
     # Busy programs run first: plain LRU would evict them first.
     for p in busy + inactive:
         run_step(client, p)
-    res = residency(server)
+    res = server.residency()
     assert device(res, busy) == len(busy) * PROMPT_LEN, res
     hints(server, 10, {**dict.fromkeys(busy, "busy"), **dict.fromkeys(inactive, "inactive")})
     hints(server, 11, dict.fromkeys(idle, "idle"))
     for p in idle:  # 12 more programs: the device pool (256 tokens) overflows
         run_step(client, p)
-    res = residency(server)
+    res = server.residency()
     # Device: inactive went first, busy programs kept every token on device.
     assert device(res, busy) == len(busy) * PROMPT_LEN, res
     assert device(res, inactive) == 0, res
@@ -151,14 +135,14 @@ def test_typed_eviction_and_offload_under_pressure(server: Server, client: OpenA
     after = hints(server, 13, dict.fromkeys(survivors, "idle"))  # busy -> idle: offload
     expect = {"device_tokens": 0, "host_tokens": PROMPT_LEN}
     assert after["residency"] == dict.fromkeys(survivors, expect), after
-    assert device(residency(server), survivors) == 0
+    assert device(server.residency(), survivors) == 0
 
 
 def test_busy_program_is_loaded_back_and_served_from_device(server: Server):
     program = "p30"
     first = generate(server, program)
     hints(server, 20, {program: "idle"})  # offload: device copy freed, host copy kept
-    res = residency(server)["programs"][program]
+    res = server.residency()["programs"][program]
     assert res == {"hint": "idle", "device_tokens": 0, "host_tokens": PROMPT_LEN}
     answer = hints(server, 21, {program: "busy"})  # queue load-back for the next prefill
     assert answer["residency"][program] == {"device_tokens": PROMPT_LEN, "host_tokens": PROMPT_LEN}
@@ -173,7 +157,7 @@ def test_residency_agrees_with_cached_tokens_details(server: Server):
     /mori/residency said just before (one token is always recomputed)."""
     for p in names(0, 20):
         nothing = {"device_tokens": 0, "host_tokens": 0}  # an evicted inactive: forgotten
-        before = residency(server)["programs"].get(p, nothing)
+        before = server.residency()["programs"].get(p, nothing)
         path = max(before["device_tokens"], before["host_tokens"])
         meta = generate(server, p)["meta_info"]
         details = meta["cached_tokens_details"] or {"device": 0, "host": 0}
@@ -189,7 +173,7 @@ def test_chat_endpoint_carries_session_id(server: Server, client: OpenAI):
         max_tokens=2,
         extra_body={"session_id": "chat1"},
     )
-    assert residency(server)["programs"]["chat1"]["host_tokens"] > 0
+    assert server.residency()["programs"]["chat1"]["host_tokens"] > 0
 
 
 def test_router_in_front_of_two_patched_replicas(tmp_path: Path):
@@ -219,7 +203,7 @@ def test_router_in_front_of_two_patched_replicas(tmp_path: Path):
             time.sleep(0.2)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # hints are pushed after moves and on full syncs
-            views = [residency(r) for r in replicas]
+            views = [r.residency() for r in replicas]
             hinted = {p for v in views for p, s in v["programs"].items() if v["epoch"] >= 0}
             if set(programs) <= hinted:
                 break
@@ -265,4 +249,4 @@ def test_kv_hints_program_type_action_sets_the_type(server: Server):
     }
     r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    assert residency(server)["programs"]["kv1"]["hint"] == "idle"
+    assert server.residency()["programs"]["kv1"]["hint"] == "idle"

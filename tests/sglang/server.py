@@ -102,6 +102,29 @@ class Server:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
+    def generate(self, program: str, input_ids: list[int], timeout: float = 60) -> dict:
+        """One token for `program` (stamped by its session id) on the native endpoint."""
+        body = {
+            "input_ids": input_ids,
+            "session_id": program,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
+        }
+        r = httpx.post(f"{self.url}/generate", json=body, timeout=timeout)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def push_hints(self, body: dict) -> dict:
+        """A `/mori/hints` batch that must be accepted."""
+        r = httpx.post(f"{self.url}/mori/hints", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def residency(self) -> dict:
+        """The patch's `/mori/residency` view."""
+        r = httpx.get(f"{self.url}/mori/residency", timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
 
 LAUNCHER = ["-m", "engine_patches.launch"]  # mori-sglang
 
