@@ -44,6 +44,11 @@ class Broken(UpstreamError):
     """The connection failed after it was made: reset, bad HTTP, cut off, or silent."""
 
 
+class Closed(Broken):
+    """The engine closed the connection (EOF or reset), not the router: only this may be a
+    kept-alive connection that the engine closed just as it was reused."""
+
+
 class InvalidRequest(UpstreamError):
     """The request itself cannot be written (a header with a line break)."""
 
@@ -140,7 +145,7 @@ class Connection(asyncio.Protocol):
             return
         self.closed = True
         if self.head is not None or (self.response is not None and not self.response.complete):
-            self.fail(Broken(f"connection closed by the engine ({exc or 'EOF'})"))
+            self.fail(Closed(f"connection closed by the engine ({exc or 'EOF'})"))
 
     # httptools callbacks -----------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -274,9 +279,10 @@ class Upstream:
                 on_connection(conn)
             try:
                 return await conn.send(data, limit)
-            except Broken:
+            except Closed:
                 # a keep-alive connection the engine closed just as it was reused: the
-                # request never reached it, so a fresh connection may carry it once
+                # request never reached it, so a fresh connection may carry it once (a
+                # cut or a timeout of the router's own is final: the replica is at fault)
                 if reused and not conn.got_bytes:
                     continue
                 raise

@@ -146,13 +146,14 @@ class ScriptedReplica:
         self.hint_delay_s = hint_delay_s
         self.count_prompt = count_prompt  # prompt tokens = 4 characters each, else always 5
         self.linger_s = linger_s  # a stream ends this long after its [DONE] event
+        self.wedged = False  # set: every request hangs, /health included (a stopped engine)
         self.hint_calls = 0
         self.chat_calls = 0
         self.events: list[tuple[str, Any]] = []  # ("hints", batch) when answered, ("request", id)
         self.aborts: list[str] = []
         self.app = Starlette(
             routes=[
-                Route("/health", lambda r: Response(), methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
                 Route("/get_server_info", self.info, methods=["GET"]),
                 Route("/mori/hints", self.hints, methods=["POST"]),
                 Route("/abort_request", self.abort, methods=["POST"]),
@@ -160,6 +161,14 @@ class ScriptedReplica:
                 Route("/v1/messages", self.messages, methods=["POST"]),
             ]
         )
+
+    async def health(self, request: Request) -> Response:
+        await self._hang_if_wedged()
+        return Response()
+
+    async def _hang_if_wedged(self) -> None:
+        if self.wedged:
+            await asyncio.sleep(3600)
 
     async def info(self, request: Request) -> Response:
         return JSONResponse({"max_total_num_tokens": 50_000, "hicache_host_tokens": 100_000})
@@ -190,6 +199,7 @@ class ScriptedReplica:
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         self.chat_calls += 1
+        await self._hang_if_wedged()
         if self.chat_status != 200:
             return JSONResponse({"detail": "engine failure"}, status_code=self.chat_status)
         self.events.append(("request", body.get("session_id")))

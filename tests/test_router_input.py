@@ -21,7 +21,7 @@ from router.identity import fingerprint, namespace, resolve
 from router.intake import Hints, Intake, prepare
 from router.policy import PolicyConfig
 from router.sanitize import LabelError
-from tests.router_harness import emulators, router
+from tests.router_harness import assert_clean, emulators, router
 from tests.servers import mori
 
 # --- configuration -----------------------------------------------------------------------
@@ -347,9 +347,9 @@ def test_fuzz_never_answers_5xx(replica_url):
                 assert _is_api_error(r, path)
 
         probe()
-        view = c.get("/v1/programs").json()
-        assert view["gate"] == {"waiting": 0, "turns": 0} and view["in_flight"] == 0
-        assert all(p["status"] == "acting" for p in view["data"])
+        # the data plane reports a request's outcome to the owner after its last byte
+        # reached the client: the books settle a moment after the last answer
+        assert_clean(base)
     assert len(statuses) >= 2000
     assert 200 in statuses  # the fuzz reaches the engine, not only the validator
 
