@@ -83,6 +83,7 @@ def test_request_on_a_kept_alive_connection_fails_over_when_its_replica_is_eject
             took = time.monotonic() - started
             assert answer.choices[0].message.content
             assert took < EJECT_BOUND_S + 2, took
+            print(f"kept-alive connection, engine wedged: answered after {took:.2f} s")  # pytest -s
             assert wedging.chat_calls == 2  # sent once to the wedged engine, not re-sent
             assert metric(base, "mori_replica_ejections_total", reason="stalled") == 1
             assert not _replicas(base)[flaky]["healthy"]
