@@ -232,7 +232,21 @@ class SpaceScheduler(PricedPolicy):
         return super()._rebalance(now)
 
     def _promote(self, now: float, displace: bool = False) -> list[Move]:
-        return self._promote_critical(now) + super()._promote(now, displace)
+        moves = self._promote_critical(now)
+        batch = super()._promote(now, displace)
+        while any(self._took_own_reserve(m) for m in batch):
+            # MORI's pass holds each replica's reserve fixed while it packs; a critical
+            # program it placed now fills its type's reservation, and the part it used
+            # is shared room again for the requests still held
+            moves += batch
+            batch = super()._promote(now)
+        return moves + batch
+
+    def _took_own_reserve(self, move: Move) -> bool:
+        """A program moved onto a GPU where its own type holds a reservation."""
+        part = self.partitions.get(move.dst.replica or "")
+        kind = self.graphs.agent_type(move.program_id)
+        return move.to_gpu and part is not None and part.reserve.get(kind or "", 0) > 0
 
     def _promote_critical(self, now: float) -> list[Move]:
         """Held requests of critical types that the shared room cannot take, highest
