@@ -55,7 +55,7 @@ async def _drive(one, seconds: float) -> int:
 
 
 async def _thin(base: str) -> int:
-    from router.upstream import Upstream
+    from router.wire.upstream import Upstream
 
     client = Upstream(5.0, 30.0)
     headers = [(b"content-type", b"application/json")]
@@ -130,7 +130,7 @@ def _serve_lean(port: int) -> None:
 
     import uvloop
 
-    from router.server import Server
+    from router.wire.server import Server
 
     async def handler(request) -> None:  # noqa: ANN001
         await request.body(1 << 20, 30.0)

@@ -39,7 +39,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.router_overhead import StubEngine, cpu_seconds, in_processes  # noqa: E402
-from router.upstream import Upstream  # noqa: E402
+from router.wire.upstream import Upstream  # noqa: E402
 from tests.servers import free_port, mori, stop  # noqa: E402
 
 PATH = b"/v1/chat/completions"

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"mori serve: {e}", file=sys.stderr)
         return 2
-    from router.owner import serve
+    from router.owner.process import serve
     from router.policy import policy_names
 
     if config.policy not in policy_names():

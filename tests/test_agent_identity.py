@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.agent_identity import BLOCK_TOKENS, CHARS_PER_TOKEN, AnchorBook, anchor_of
+from router.protocol.agent_identity import BLOCK_TOKENS, CHARS_PER_TOKEN, AnchorBook, anchor_of
 
 TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {}}}]
 

@@ -201,13 +201,13 @@ def test_client_that_leaves_after_done_was_served():
 
 # --- data-plane workers ------------------------------------------------------------------
 def _worker_pids(owner: int) -> set[int]:
-    """The owner's data-plane worker processes (`python -m router.worker`)."""
+    """The owner's data-plane worker processes (`python -m router.plane.worker`)."""
     with open(f"/proc/{owner}/task/{owner}/children") as f:
         children = [int(pid) for pid in f.read().split()]
     pids = set()
     for pid in children:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"router.worker" in f.read():
+            if b"router.plane.worker" in f.read():
                 pids.add(pid)
     return pids
 

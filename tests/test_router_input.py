@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.accounting import OpenAIStream
 from router.config import POLICY_KNOBS, ConfigError, RouterConfig, load_config, parse_settings
-from router.errors import ApiError
-from router.identity import fingerprint, namespace, resolve
-from router.intake import Hints, Intake, prepare
 from router.policy import PolicyConfig
-from router.sanitize import LabelError
+from router.policy.labels import LabelError
+from router.protocol.accounting import OpenAIStream
+from router.protocol.identity import fingerprint, namespace, resolve
+from router.protocol.intake import Hints, Intake, prepare
+from router.wire.errors import ApiError
 from tests.router_harness import assert_clean, emulators, router
 from tests.servers import mori
 
@@ -162,7 +162,8 @@ def test_deeply_nested_body_is_refused_not_fatal():
     (orjson before 3.9.15 did, at about 100 000 levels): run in a child to see a crash."""
     deep = b'{"model": "m", "deep": ' + b'{"k":' * 100_000 + b"1" + b"}" * 100_000 + b"}"
     script = (
-        "import sys; from router.intake import Hints, prepare; from router.errors import ApiError\n"
+        "import sys; from router.protocol.intake import Hints, prepare\n"
+        "from router.wire.errors import ApiError\n"
         "try: prepare('chat', sys.stdin.buffer.read(), Hints())\n"
         "except ApiError as e: print(e.status, e.code)"
     )

@@ -2,7 +2,7 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import RouterMetrics
+from router.owner.metrics import RouterMetrics
 from router.policy import make_policy
 from router.policy.types import ReplicaCapacity
 

@@ -12,13 +12,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
-from router.api import create_app
 from router.config import load_config
-from router.controller import Router
+from router.owner.api import create_app
+from router.owner.controller import Router
 from router.policy import PolicyConfig
 from router.policy.mori import MoriPolicy
 from router.policy.types import ReplicaCapacity
+from router.protocol.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
 from router.sim.presets import PRESETS
 from tests.router_harness import (
     ScriptedReplica,

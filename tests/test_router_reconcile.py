@@ -8,9 +8,9 @@ import time
 
 import httpx
 
+from router.owner.reconcile import Held, parse_residency, reconcile
 from router.policy import make_policy
 from router.policy.types import WAITING, Hint, Placement, ReplicaCapacity, Tier
-from router.reconcile import Held, parse_residency, reconcile
 from tests.router_harness import chat, client, emulators, programs, router
 
 GPU, CPU = Tier.GPU, Tier.CPU

@@ -14,7 +14,7 @@ from typing import Any
 
 from router.config import ReplicaSpec, RouterConfig
 from router.policy.types import Hint, ReplicaCapacity
-from router.upstream import Upstream, UpstreamError
+from router.wire.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("mori.engines")
 

@@ -1,7 +1,7 @@
 """The policy owner's HTTP face: admin API, program endpoints, /health, /metrics.
 
 `create_app(config)` builds the FastAPI app whose lifespan owns the one `Router`. It is
-served on the owner's private loopback port; the data-plane workers (router/worker.py)
+served on the owner's private loopback port; the data-plane workers (router/plane/worker.py)
 serve the public port, handle the inference endpoints themselves and relay every other
 request here unchanged.
 """
@@ -19,16 +19,16 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from router import identity
-from router.auth import Auth
 from router.config import RouterConfig
-from router.controller import Router
-from router.errors import ApiError
-from router.intake import agent_role, parse_json_object, read_body, request_hints
+from router.owner.controller import Router
 from router.policy import Policy
+from router.policy.labels import LabelError, check_label
 from router.policy.types import Placement, Tier
-from router.sanitize import LabelError, check_label
-from router.upstream import UpstreamError
+from router.protocol import identity
+from router.protocol.auth import Auth
+from router.protocol.intake import agent_role, parse_json_object, read_body, request_hints
+from router.wire.errors import ApiError
+from router.wire.upstream import UpstreamError
 
 log = logging.getLogger("mori.api")
 

@@ -15,20 +15,20 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from router.agent_identity import AnchorBook
 from router.config import RouterConfig
-from router.engines import HintsUnsupported, Replica, make_replicas, make_upstream
-from router.gate import Gate
-from router.metrics import RouterMetrics
-from router.outliers import Outliers
+from router.engines.outliers import Outliers
+from router.engines.replicas import HintsUnsupported, Replica, make_replicas, make_upstream
+from router.owner.gate import Gate
+from router.owner.metrics import RouterMetrics
+from router.owner.reconcile import parse_residency, reconcile
 from router.policy import Policy, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity, Tier
-from router.reconcile import parse_residency, reconcile
-from router.upstream import UpstreamError
+from router.protocol.agent_identity import AnchorBook
+from router.wire.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from router.plane import Ticket
+    from router.protocol.link import Ticket
 
 WARM_PREFIX = "mori-warm/"  # program ids of CacheSage warm-up requests
 
@@ -390,7 +390,7 @@ class Router:
 
     async def reconcile(self) -> None:
         """Check the tiers against every healthy replica's `/mori/residency`
-        (router/reconcile.py); a replica that does not answer is left out this time."""
+        (router/owner/reconcile.py); a replica that does not answer is left out this time."""
         urls = [u for u in self.replicas if self.policy.tiers.healthy.get(u)]
         docs = await asyncio.gather(
             *(self.replicas[u].fetch_residency() for u in urls), return_exceptions=True

@@ -1,6 +1,6 @@
 """One proxied inference request as the policy owner sees it: turn, gate, attempts, books.
 
-A data-plane worker (router/relay.py) moves the bytes; the owner decides. For each
+A data-plane worker (router/plane/relay.py) moves the bytes; the owner decides. For each
 request the worker sends a `Ticket`; the owner takes the program's turn, tells the
 policy, holds the request at the gate until it is placed, and names a replica; the
 worker forwards and reports an `Outcome`; a failure before the first byte is retried on
@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from router.controller import Router
-from router.engines import Replica
-from router.errors import ApiError
-from router.gate import GateTimeout, ProgramEnded
-from router.plane import Outcome, Ticket
+from router.engines.replicas import Replica
+from router.owner.controller import Router
+from router.owner.gate import GateTimeout, ProgramEnded
+from router.protocol.link import Outcome, Ticket
+from router.wire.errors import ApiError
 
 Forward = Callable[[str], Awaitable[Outcome]]
 

@@ -17,9 +17,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from router.accounting import Usage
 from router.policy.base import Policy
 from router.policy.types import Move, Placement, Tier
+from router.protocol.accounting import Usage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))

@@ -3,7 +3,7 @@
 `mori serve` runs here. The owner keeps everything a placement decision reads or writes
 in one place (the policy's programs and tiers, the gate and turns, hints, health, the
 outlier streaks, the metrics) and serves the admin API on a private loopback port. The
-public port is served by `workers` data planes (router/worker.py) sharing one listening
+public port is served by `workers` data planes (router/plane/worker.py) sharing one listening
 socket: one in the owner's own process, whose decisions are direct calls, and
 `workers - 1` processes, whose requests each cost one decision round trip on a
 socketpair (`GO` -> `ROUTE`, then `ATTEMPT`); the bytes never pass through the owner.
@@ -25,12 +25,26 @@ from typing import Any
 
 import uvicorn
 
-from router import plane
-from router.api import create_app
 from router.config import RouterConfig
-from router.controller import Router
-from router.exchange import Exchange
-from router.plane import Link, LocalLink, Outcome, Ticket, connect
+from router.owner.api import create_app
+from router.owner.controller import Router
+from router.owner.exchange import Exchange
+from router.protocol.link import (
+    ATTEMPT,
+    CANCEL,
+    DRAINED,
+    ERROR,
+    GO,
+    HELLO,
+    REJOINED,
+    ROUTE,
+    SILENT,
+    Link,
+    LocalLink,
+    Outcome,
+    Ticket,
+    connect,
+)
 
 log = logging.getLogger("mori.owner")
 
@@ -49,39 +63,39 @@ class WorkerLink:
 
     def tell(self, url: str, why: str | None) -> None:
         """A replica was drained (why) or rejoined (None)."""
-        self.link.send((plane.REJOINED, url) if why is None else (plane.DRAINED, url, why))
+        self.link.send((REJOINED, url) if why is None else (DRAINED, url, why))
 
     def on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == plane.GO:
+        if kind == GO:
             seq = message[1]
             task = asyncio.get_running_loop().create_task(self._serve(seq, message[2]))
             self._tasks[seq] = task
-        elif kind == plane.ATTEMPT:
+        elif kind == ATTEMPT:
             future = self._attempts.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(message[2])
-        elif kind == plane.CANCEL:
+        elif kind == CANCEL:
             task = self._tasks.get(message[1])
             if task is not None:
                 task.cancel()
-        elif kind == plane.SILENT:
+        elif kind == SILENT:
             self.router.on_silent(message[1])
 
     async def _serve(self, seq: int, ticket: Ticket) -> None:
         exchange = Exchange(self.router, ticket, functools.partial(self._forward, seq))
         try:
             error = await exchange.run()
-        except asyncio.CancelledError:  # the client left (plane.CANCEL) or the worker is gone
+        except asyncio.CancelledError:  # the client left (CANCEL) or the worker is gone
             return
         finally:
             self._tasks.pop(seq, None)
         if error is not None:
-            self.link.send((plane.ERROR, seq, error))
+            self.link.send((ERROR, seq, error))
 
     async def _forward(self, seq: int, url: str) -> Outcome:
         future = self._attempts[seq] = asyncio.get_running_loop().create_future()
-        self.link.send((plane.ROUTE, seq, url))
+        self.link.send((ROUTE, seq, url))
         try:
             return await future
         finally:
@@ -112,13 +126,13 @@ class Workers:
         ours, theirs = socket.socketpair()
         fds = (self.listen.fileno(), theirs.fileno())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.worker", *map(str, fds)], pass_fds=fds
+            [sys.executable, "-m", "router.plane.worker", *map(str, fds)], pass_fds=fds
         )
         theirs.close()
         link = WorkerLink(self.router, self._lost)
         await connect(ours, link.link)
         # the config object as is: validating a dump again would scale its timers twice
-        link.link.send((plane.HELLO, self.config, self.admin_url, self.router.wants_anchors))
+        link.link.send((HELLO, self.config, self.admin_url, self.router.wants_anchors))
         self.procs[link] = proc
 
     def _tell(self, url: str, why: str | None) -> None:
@@ -233,7 +247,7 @@ async def _in_process_worker(
     """One of the data-plane workers runs in the owner's process and event loop, its link
     two direct calls: its requests cost no round trip, and on a machine of N cores the
     router is N processes, not N + 1 (`workers: 1` is one process)."""
-    from router.worker import OwnerLink, Worker
+    from router.plane.worker import OwnerLink, Worker
 
     to_worker, to_owner = LocalLink(), LocalLink()
     owner_end = WorkerLink(router, lambda _: None, to_worker)

@@ -16,7 +16,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from router.accounting import (
+from router.engines.outliers import Attempt
+from router.protocol.accounting import (
     AnthropicStream,
     OpenAIStream,
     Usage,
@@ -24,16 +25,15 @@ from router.accounting import (
     openai_body,
     without_sglext,
 )
-from router.errors import ApiError, anthropic_error_body, error_body
-from router.intake import Prepared, request_hints
-from router.outliers import Attempt
-from router.plane import ERROR, Outcome, Ticket
-from router.sanitize import forwarded_headers
-from router.server import BodyTooLarge, Request
-from router.upstream import Broken, ConnectFailed, Connection, InvalidRequest, Response
+from router.protocol.intake import Prepared, request_hints
+from router.protocol.link import ERROR, Outcome, Ticket
+from router.protocol.sanitize import forwarded_headers
+from router.wire.errors import ApiError, anthropic_error_body, error_body
+from router.wire.server import BodyTooLarge, Request
+from router.wire.upstream import Broken, ConnectFailed, Connection, InvalidRequest, Response
 
 if TYPE_CHECKING:
-    from router.worker import Worker
+    from router.plane.worker import Worker
 
 log = logging.getLogger("mori.relay")
 

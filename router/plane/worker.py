@@ -2,11 +2,11 @@
 
 `mori serve` runs one policy owner and N of these (`workers`, default: the machine's
 cores), all accepting on one listening socket. A worker parses requests, asks the owner
-where each goes (router/plane.py), forwards and relays (router/relay.py), and passes every
-other endpoint (admin API, /health, /metrics) to the owner's HTTP server unchanged. It
-keeps no policy state: what it knows of the replicas is which ones the owner drained.
+where each goes (router/protocol/link.py), forwards and relays (router/plane/relay.py), and
+passes every other endpoint (admin API, /health, /metrics) to the owner's HTTP server
+unchanged. It keeps no policy state: what it knows of the replicas is which ones the owner drained.
 
-    python -m router.worker LISTEN_FD LINK_FD    (started by router/owner.py)
+    python -m router.plane.worker LISTEN_FD LINK_FD    (started by router/owner/process.py)
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from router.auth import Auth
 from router.config import RouterConfig
-from router.engines import make_replicas, make_upstream
-from router.errors import ApiError
-from router.intake import Intake
-from router.outliers import Attempts
-from router.plane import (
+from router.engines.outliers import Attempts
+from router.engines.replicas import make_replicas, make_upstream
+from router.plane.relay import JSON, KIND_OF_PATH, Relay, read_body
+from router.protocol.auth import Auth
+from router.protocol.intake import Intake
+from router.protocol.link import (
     ATTEMPT,
     CANCEL,
     DRAINED,
@@ -43,9 +43,9 @@ from router.plane import (
     Ticket,
     connect,
 )
-from router.relay import JSON, KIND_OF_PATH, Relay, read_body
-from router.server import Request, Server
-from router.upstream import Upstream, UpstreamError
+from router.wire.errors import ApiError
+from router.wire.server import Request, Server
+from router.wire.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("mori.worker")
 

@@ -2,6 +2,14 @@
 
 Policies are looked up by name so the router, the simulator and the benchmarks can
 take `--policy NAME` and run every comparison through the same harness.
+
+The pure core of MORI: programs and idleness (`program`), tiers, prices and residual tool
+time, the policies (`mori`, `priced`, `mori_paper`, `cachesage`, `space`, `continuum`,
+`baselines`) and the helpers they share (`types`, `labels`, `stats`). No I/O, an injected
+clock: the same code runs in the live router, the simulator and the tests.
+
+May import: nothing of the project outside `router.policy` (the router's shell, the
+simulator and the replay all import it; it imports none of them).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from graphlib import CycleError, TopologicalSorter
 
-from router.sanitize import LabelError, check_label
+from router.policy.labels import LabelError, check_label
 
 MAX_ROLES = 256  # roles in one app graph (registered or inferred)
 MAX_APPS = 1024  # apps whose graphs are kept (registered first, inferred ones after)

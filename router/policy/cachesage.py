@@ -6,7 +6,7 @@ running now. CacheSage turns that into cache decisions, in the four calls of
 `router.policy.runtime`:
 
 - observe: every request, tagged with its agent identity (explicit `agent` / X-Agent-Role,
-  else the hash of its anchor: `router.agent_identity`) and its session (the root program),
+  else the hash of its anchor: `router.protocol.agent_identity`) and its session (the root program),
   feeds the transition learner (`router.policy.transitions`);
 - score: an anchor's survival score is the probability that its role speaks within the next
   `horizon` turns of any live session, 1 - prod_s (1 - H[a_s, role]) with H the learnt

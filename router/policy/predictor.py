@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from router.policy.residual import DurationDistribution
-from router.replay.records import percentile
+from router.policy.stats import percentile
 
 # Tool names (lower-cased) by kind. Claude Code, OpenHands, SWE-agent and generic names.
 _NAMES_BY_KIND = {

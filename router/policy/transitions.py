@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.replay.trace_stats import entropy_reduction
+from router.policy.stats import entropy_reduction
 
 
 @dataclass(slots=True)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from router import codec
 from router.policy.predictor import tool_key_of_calls
+from router.wire import codec
 
 # Request field that makes SGLang report its device/host split of cached prompt tokens.
 CACHE_DETAILS_FLAG = "return_cached_tokens_details"

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-CHARS_PER_TOKEN = 4  # the router's token estimate (router.controller, router.replay.prompts)
+CHARS_PER_TOKEN = 4  # the router's token estimate (router.owner.controller, router.replay.prompts)
 BLOCK_TOKENS = 16
 SKIP_BLOCKS = 0
 TAKE_BLOCKS = 4

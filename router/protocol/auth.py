@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from router.config import RouterConfig
-from router.errors import ApiError
+from router.wire.errors import ApiError
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 
 class Auth:

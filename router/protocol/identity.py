@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from router.sanitize import check_label
+from router.policy.labels import check_label
 
 PROMPT_PREFIX_CHARS = 2048  # completions API: the start of the prompt stands for the system part
 

@@ -22,11 +22,13 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from router import codec, identity
-from router.accounting import CACHE_DETAILS_FLAG
-from router.agent_identity import Anchor, anchor_of
-from router.errors import ApiError
-from router.sanitize import LabelError, check_label, header_text
+from router.policy.labels import LabelError, check_label
+from router.protocol import identity
+from router.protocol.accounting import CACHE_DETAILS_FLAG
+from router.protocol.agent_identity import Anchor, anchor_of
+from router.protocol.sanitize import header_text
+from router.wire import codec
+from router.wire.errors import ApiError
 
 log = logging.getLogger("mori.intake")
 

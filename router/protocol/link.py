@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.accounting import Usage
-from router.agent_identity import Anchor
+from router.protocol.accounting import Usage
+from router.protocol.agent_identity import Anchor
 
 # worker -> owner
 GO = 1  # (GO, seq, Ticket): a request wants a replica

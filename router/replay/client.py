@@ -9,7 +9,7 @@ subagents run as extra clients from their `start_s`. Prompts are synthesised by
 It measures what `mori sim` measures, as `StepRecord`s reduced by `summarize`: TTFT is
 taken at the first content chunk on the client side (so router gating counts), cached
 tokens come from the answer: each request asks for SGLang's device/host split
-(`return_cached_tokens_details`) and reads it the way router.accounting does for the
+(`return_cached_tokens_details`) and reads it the way router.protocol.accounting does for the
 router. Times are on the *trace* clock, wall seconds times `time_scale` (a replay at
 --time-scale 10 against emulators started with --time-scale 10 reports the same numbers
 as one run in real time), so results compare with `mori sim`.
@@ -28,7 +28,7 @@ from urllib.parse import quote
 import httpx
 import openai
 
-from router.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
+from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize

@@ -16,6 +16,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from statistics import fmean
 
+from router.policy.stats import percentile
+
 ABNORMAL_X = 1.5  # an agent instance slower than this x its type's mean is abnormal
 
 
@@ -68,15 +70,6 @@ class RunResult:
         row = asdict(self)
         row.update(row.pop("extra"))
         return row
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
-    return ordered[rank]
 
 
 def churn(records: list[StepRecord]) -> float:

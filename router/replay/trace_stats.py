@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from router.policy.stats import entropy_reduction
 from router.replay.trace import TraceProgram, TraceStep
 
 # MORI section 3.3 at the 2 s threshold, for side-by-side tables.
@@ -142,26 +142,6 @@ def speaker_sequences(programs: list[TraceProgram]) -> list[list[str]]:
         if seq:
             out.append(seq)  # type: ignore[arg-type]
     return out
-
-
-def _entropy(counts: Iterable[int]) -> float:
-    counts = [c for c in counts if c > 0]
-    total = sum(counts)
-    return -sum(c / total * math.log2(c / total) for c in counts) if total else 0.0
-
-
-def entropy_reduction(rows: Mapping[str, Mapping[str, int]]) -> float:
-    """R = 1 - H(next | current) / H(next) of transition counts `rows[current][next]`
-    (plug-in entropies); NaN when the next agent never varies."""
-    nexts: Counter[str] = Counter()
-    for row in rows.values():
-        nexts.update(row)
-    h_next = _entropy(nexts.values())
-    if h_next == 0:
-        return float("nan")
-    total = sum(nexts.values())
-    h_cond = sum(sum(row.values()) / total * _entropy(row.values()) for row in rows.values())
-    return 1 - h_cond / h_next
 
 
 def transition_r(sequences: list[list[str]]) -> float:

@@ -26,8 +26,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from router.errors import ApiError
 from router.replay.prompts import CHARS_PER_TOKEN
+from router.wire.errors import ApiError
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ROLES = ("user", "assistant", "system")

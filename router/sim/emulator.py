@@ -33,13 +33,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.accounting import CACHE_DETAILS_FLAG
-from router.errors import ApiError
 from router.policy.types import EngineMode, Hint
+from router.protocol.accounting import CACHE_DETAILS_FLAG
 from router.replay import prompts
 from router.sim import anthropic
 from router.sim import model as cost_model
 from router.sim.presets import PRESETS, get_preset
+from router.wire.errors import ApiError
 
 log = logging.getLogger("mori.emulate")
 
@@ -413,7 +413,7 @@ def _usage(flight: Flight, completion_tokens: int) -> dict:
 
 def _sglext(flight: Flight) -> dict:
     """SGLang's `sglext` field: the device/host split, only when the request asked for it
-    and something was cached (router/accounting.py reads it)."""
+    and something was cached (router/protocol/accounting.py reads it)."""
     if not flight.job.cache_details or not flight.cached_device + flight.cached_host:
         return {}
     split = {"device": flight.cached_device, "host": flight.cached_host}

@@ -1,7 +1,7 @@
 """JSON on the hot path: orjson where it can, the standard library's behaviour always.
 
-Every inference request is decoded and re-encoded once by the router (router/intake.py)
-and its usage chunk decoded once (router/accounting.py); with the standard library that
+Every inference request is decoded and re-encoded once by the router (router/protocol/intake.py)
+and its usage chunk decoded once (router/protocol/accounting.py); with the standard library that
 was ~10 % of the router's CPU per request. orjson does the common case several times
 faster. Where it refuses a document (integers past 64 bits, numbers past a double,
 lone surrogates, nesting past 1024) the standard library decides, so what the router

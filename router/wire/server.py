@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import httptools
 
-from router.errors import error_body
+from router.wire.errors import error_body
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers
 
