@@ -111,6 +111,8 @@ class RouterConfig(BaseModel):
     max_retries: int = Field(default=2, ge=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)  # whole request body, else 408
+    header_timeout_s: float = Field(default=10.0, gt=0)  # a request head, from its first byte
+    keepalive_timeout_s: float = Field(default=15.0, gt=0)  # an idle client connection
     worker_parse_bytes: int = Field(default=256 * 1024, ge=0)  # larger bodies: parse process
     api_keys: list[str] = Field(default_factory=list)
     admin_key: str | None = None

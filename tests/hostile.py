@@ -2,10 +2,14 @@
 
 Each `Case` is one HTTP request as an adversarial client would send it (bytes on the
 wire: headers with stray whitespace or non-UTF-8 bytes, program ids with control
-characters or lone surrogates at every source, deep nesting, large and slow bodies,
-both APIs, streamed or not) plus what a correct router answers: the allowed statuses and,
-for a refusal, a word the error message must contain. `send` speaks HTTP/1.1 itself
-because well-behaved clients (httpx, the SDKs) refuse to send most of these.
+characters or lone surrogates at every source, deep nesting, large, oversize and slow
+bodies, slow heads, HEAD and HTTP/1.0 requests, both APIs, streamed or not) plus what a
+correct router answers: the allowed statuses and, for a refusal, a word the error message
+must contain. `send` writes the request itself, because well-behaved clients (httpx, the
+SDKs) refuse to send most of these, always whole before it reads (as a simple client
+does, even when the router refuses early), and reads the answer with `h11`, a strict
+HTTP/1.1 parser no one here wrote: a malformed answer (bad framing, a body after a HEAD,
+bytes after the answer of a `connection: close` request) fails the case.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import h11
+
 PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -26,7 +32,17 @@ BAD_TEXT = ["\x00", "\n", "\r", "\x7f", "\x1b[31m", "\u200b", "\ud800", "\udfff"
 GOOD_IDS = ["task-42", "任务-7", "a/b/c", "x" * 256, "user_ab12_account__session_9f", "ü ö"]
 HEADERS = ["x-request-id", "anthropic-version", "anthropic-beta"]
 SLOW_DECLARED_EXTRA = 100  # bytes a slow client announces but never sends
+SLOW_HEAD_PIECES = 5  # a slow head arrives in this many pieces
 RESET = 0  # status of an answer lost to a connection reset (the server closed early)
+HEAD_PATHS = [  # HEAD requests and what their GET would answer (no keys configured)
+    ("/health", (200,)),
+    ("/metrics", (200,)),
+    ("/v1/models", (200,)),
+    ("/v1/programs", (200,)),
+    ("/v1/chat/completions", (405,)),
+    ("/v1/messages", (405,)),
+    ("/v1/nope", (404,)),
+]
 
 
 @dataclass
@@ -41,7 +57,10 @@ class Case:
     needle: str | None = None  # must appear in the error message of a 4xx
     declared: int | None = None  # Content-Length announced (default: the body's)
     drip_s: float = 0.0  # seconds between body pieces (slow but complete)
+    head_drip_s: float = 0.0  # seconds between pieces of the request head
     hang_up: bool = False  # send half the body, then close: no answer expected
+    method: str = "POST"
+    http10: bool = False  # an HTTP/1.0 request line
 
 
 @dataclass
@@ -78,8 +97,11 @@ def _pid(rng: random.Random) -> str:
 class Generator:
     """Seeded cases; `case()` draws one kind by weight."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, limits: dict[str, Any] | None = None) -> None:
         self.rng = random.Random(seed)
+        limits = limits or {}
+        self.max_body = limits.get("max_body_bytes", 2 << 20)
+        self.header_timeout_s = limits.get("header_timeout_s", 1.0)
         self.kinds = [
             (self.valid, 14),
             (self.bad_header, 14),
@@ -94,6 +116,9 @@ class Generator:
             (self.hang_up, 3),
             (self.auth_and_admin, 4),
             (self.program_urls, 4),
+            (self.head_request, 4),
+            (self.http10, 5),
+            (self.slow_head, 2),
         ]
 
     def case(self) -> Case:
@@ -254,8 +279,8 @@ class Generator:
         if choice == "many":  # many small objects: the slowest kind of JSON to decode
             body["extra"] = [{"k": i} for i in range(rng.randint(20_000, 80_000))]
             return Case("size:many", PATHS[api], _json(body))
-        if choice == "over":
-            body["pad"] = "x" * (3 << 20)
+        if choice == "over":  # sent whole before the answer is read: 413, never a reset
+            body["pad"] = "x" * rng.choice([self.max_body + 1, self.max_body * 3 // 2])
             return Case("size:over", PATHS[api], _json(body), expect=(413,))
         raw = _json(body)
         return Case("size:declared", PATHS[api], raw, expect=(413,), declared=1 << 40)
@@ -276,6 +301,28 @@ class Generator:
         api, stream = self._api()
         raw = _json({**_base(self.rng, api, stream), "program_id": _pid(self.rng)})
         return Case("hang-up", PATHS[api], raw, hang_up=True, expect=())
+
+    def head_request(self) -> Case:
+        """HEAD: at once, the status and head its GET would get, and no body."""
+        path, expect = self.rng.choice(HEAD_PATHS)
+        return Case("head", path, b"", expect=expect, method="HEAD")
+
+    def http10(self) -> Case:
+        """A valid request from an HTTP/1.0 client: a streamed answer must not be chunked."""
+        case = self.valid()
+        case.kind, case.http10 = "http10", True
+        return case
+
+    def slow_head(self) -> Case:
+        """A head arriving in pieces: served when whole inside the header timeout, else 408
+        (the answer of a slowloris client, whose connection is then closed)."""
+        case = self.valid()
+        late = self.rng.random() < 0.5
+        total = self.header_timeout_s * (1.5 if late else 0.2)
+        case.kind, case.head_drip_s = "slow-head", total / SLOW_HEAD_PIECES
+        if late:
+            case.expect, case.needle = (408,), "head"
+        return case
 
     def auth_and_admin(self) -> Case:
         """Endpoints around inference: odd paths, methods, tool_start bodies."""
@@ -304,26 +351,29 @@ class Generator:
 
 # --- the wire ----------------------------------------------------------------------------
 async def send(port: int, case: Case, timeout_s: float) -> Answer | None:
-    """Send `case` on a fresh connection; its answer (None for a client that hung up)."""
+    """Send `case` on a fresh connection; its answer (None for a client that hung up).
+    Raises h11.RemoteProtocolError when the answer is not well-formed HTTP/1.1."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         async with asyncio.timeout(timeout_s):
             length = case.declared if case.declared is not None else len(case.body)
+            version = b"HTTP/1.0" if case.http10 else b"HTTP/1.1"
             head = [
-                f"POST {case.path} HTTP/1.1".encode(),
+                case.method.encode() + b" " + case.path.encode() + b" " + version,
                 b"host: router",
                 b"content-type: application/json",
                 b"connection: close",
                 b"content-length: " + str(length).encode(),
                 *(name + b": " + value for name, value in case.headers),
             ]
-            writer.write(b"\r\n".join(head) + b"\r\n\r\n")
-            with contextlib.suppress(ConnectionError):  # refused early (a 413): read its answer
-                await _write_body(writer, case)
+            with contextlib.suppress(ConnectionError):  # refused early: read its answer
+                await _write(writer, b"\r\n".join(head) + b"\r\n\r\n", case.head_drip_s)
+                body = case.body[: len(case.body) // 2] if case.hang_up else case.body
+                await _write(writer, body, case.drip_s)
             if case.hang_up:
                 return None
             try:
-                return await _read_answer(reader)
+                return await read_answer(reader, case.method)
             except ConnectionError:
                 return Answer(RESET, {}, b"")
     finally:
@@ -332,33 +382,40 @@ async def send(port: int, case: Case, timeout_s: float) -> Answer | None:
             await writer.wait_closed()
 
 
-async def _write_body(writer: asyncio.StreamWriter, case: Case) -> None:
-    body = case.body[: len(case.body) // 2] if case.hang_up else case.body
-    if not case.drip_s:
-        writer.write(body)
+async def _write(writer: asyncio.StreamWriter, data: bytes, drip_s: float) -> None:
+    """All of `data`, or in pieces `drip_s` apart."""
+    if not drip_s:
+        writer.write(data)
         await writer.drain()
         return
-    pieces = 5
-    step = max(1, -(-len(body) // pieces))
-    for i in range(0, len(body), step):
-        writer.write(body[i : i + step])
+    step = max(1, -(-len(data) // SLOW_HEAD_PIECES))
+    for i in range(0, len(data), step):
+        writer.write(data[i : i + step])
         await writer.drain()
-        await asyncio.sleep(case.drip_s)
+        await asyncio.sleep(drip_s)
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> Answer:
-    status_line = await reader.readline()
-    status = int(status_line.split()[1])
-    headers: dict[bytes, bytes] = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    if headers.get(b"transfer-encoding") == b"chunked":
-        body = b""
-        while (size := int((await reader.readline()).strip() or b"0", 16)) > 0:
-            body += await reader.readexactly(size + 2)
-            body = body[:-2]
-        return Answer(status, headers, body)
-    if b"content-length" in headers:
-        return Answer(status, headers, await reader.readexactly(int(headers[b"content-length"])))
-    return Answer(status, headers, await reader.read())
+async def read_answer(reader: asyncio.StreamReader, method: str = "POST") -> Answer:
+    """One answer, parsed by h11 as the client of a `connection: close` request of
+    `method` (it knows a HEAD answer has no body); then the connection must close with no
+    byte more."""
+    parser = h11.Connection(h11.CLIENT)
+    parser.send(h11.Request(method=method, target="/", headers=[("host", "router")]))
+    parser.send(h11.EndOfMessage())
+    status, headers, body = 0, {}, b""
+    while True:
+        event = parser.next_event()
+        if event is h11.NEED_DATA:
+            parser.receive_data(await reader.read(65536))
+        elif isinstance(event, h11.Response):
+            status, headers = event.status_code, dict(event.headers)
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            break
+    if status in (0, 100):
+        raise h11.RemoteProtocolError("no final answer")
+    extra = await reader.read()
+    if extra:
+        raise h11.RemoteProtocolError(f"{len(extra)} bytes after the answer: {extra[:80]!r}")
+    return Answer(status, headers, body)

@@ -55,15 +55,18 @@ def emulators(count: int, *args: str) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def router(replicas: list[Any], log: Path | None = None, **settings: Any) -> Iterator[str]:
-    """A `mori serve` process configured by a YAML file; yields its base URL. Its output
-    goes to the file `log` when given."""
+def router(
+    replicas: list[Any], log: Path | None = None, ready: str = "/health", **settings: Any
+) -> Iterator[str]:
+    """A `mori serve` process configured by a YAML file; yields its base URL once `ready`
+    answers 200 (`/health`: a replica is in service; `/metrics`: the router is up). Its
+    output goes to the file `log` when given."""
     port = free_port()
     config = {**FAST, **settings, "replicas": replicas, "port": port, "host": "127.0.0.1"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(config))
-        with spawn(mori("serve", "--config", str(path)), port, log=log):
+        with spawn(mori("serve", "--config", str(path)), port, ready, log=log):
             yield f"http://127.0.0.1:{port}"
 
 

@@ -2,8 +2,12 @@
 
 A `mori serve` process in front of two `mori emulate` replicas takes every case of
 `tests/hostile.py` over raw sockets (headers, program ids at every source, nesting,
-sizes, slow and abandoned bodies, both APIs, streamed or not). Whatever the input:
+sizes, oversize bodies sent whole before the answer is read, slow and abandoned bodies,
+slow heads, HEAD and HTTP/1.0 requests, both APIs, streamed or not), and reads every
+answer with h11 (a strict HTTP/1.1 parser). Whatever the input:
 
+- every answer is well-formed HTTP (a HEAD answer has no body), none is lost to a
+  connection reset;
 - no 5xx from the router, and every refusal is a 4xx in the endpoint's error shape
   naming what is wrong (an HTTP parser refusal of a malformed header line names no field);
 - no traceback in the router's log, no replica drained or ejected;
@@ -22,6 +26,7 @@ import json
 import time
 from pathlib import Path
 
+import h11
 import httpx
 import pytest
 
@@ -31,22 +36,28 @@ from tests.router_harness import assert_clean, chat, client, emulators, metric, 
 SETTINGS = {
     "max_body_bytes": 2 << 20,
     "body_timeout_s": 1.0,
+    "header_timeout_s": 1.0,
     "gate_timeout_s": 20.0,
     "log_level": "info",  # the log is checked for tracebacks and per-request noise
 }
 CONCURRENCY = 16
 CASE_TIMEOUT_S = 30.0  # a case unanswered after this is a hang
 PARSER_REFUSAL = b'"code": "malformed_http"'  # the router's HTTP parser refused the request
+HEADER_TIMEOUT = b'"code": "header_timeout"'  # the HTTP layer's answer to a slow head
 
 
 def problem(case: Case, answer: Answer | None) -> str | None:
     """What is wrong with the router's answer to `case`, or None."""
     if answer is None:
         return None if case.hang_up else "no answer"
-    if answer.status == RESET:  # the router answered early and closed while we still wrote
-        return None if 413 in case.expect else "connection reset"
+    if answer.status == RESET:
+        return "connection reset"
+    if case.method == "HEAD":
+        return None if answer.status in case.expect else f"HEAD answered {answer.status}"
     if answer.status >= 500:
         return f"{answer.status}: {answer.body[:200]!r}"
+    if answer.status == 408 and HEADER_TIMEOUT in answer.body:  # before the API is known
+        return None if 408 in case.expect and case.head_drip_s else "head timed out"
     if answer.status == 400 and PARSER_REFUSAL in answer.body:  # refused before parsing JSON
         return None if case.headers else "parser refusal of a request without odd headers"
     if answer.status not in case.expect:
@@ -100,8 +111,11 @@ async def _run(port: int, cases: list[Case]) -> tuple[list[str], collections.Cou
             except (ConnectionError, asyncio.IncompleteReadError) as e:
                 problems.append(f"{case.kind} {case.path}: connection failed: {e!r}")
                 continue
+            except h11.RemoteProtocolError as e:
+                problems.append(f"{case.kind} {case.path}: malformed answer: {e}")
+                continue
             took = time.monotonic() - started
-            if case.kind != "slow" and not case.drip_s:
+            if case.kind != "slow" and not case.drip_s and not case.head_drip_s:
                 slowest = max(slowest, took)
             status = answer.status if answer else "hung up"
             if answer and PARSER_REFUSAL in answer.body:
@@ -116,7 +130,7 @@ async def _run(port: int, cases: list[Case]) -> tuple[list[str], collections.Cou
 
 def hostile_run(tmp_path: Path, count: int, seed: int) -> dict:
     """Send `count` generated cases; assert the suite's promises; return the figures."""
-    generator = Generator(seed)
+    generator = Generator(seed, SETTINGS)
     cases = [generator.case() for _ in range(count)]
     log = tmp_path / "router.log"
     # KV budgets above the largest body's estimate (2 MiB / 4 chars per token): the large

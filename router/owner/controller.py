@@ -266,6 +266,10 @@ class Router:
         return True
 
     # replica failures -------------------------------------------------------------
+    def reachable(self) -> bool:
+        """Whether any replica is in service (healthy and not drained)."""
+        return any(self.policy.tiers.healthy.values())
+
     def drain(self, replica: Replica, why: str, reason: str) -> None:
         """Take a replica out: its programs go to WAITING and are re-placed, its silent
         requests are cut (they fail over or end with an error), and it stays out for the

@@ -23,6 +23,19 @@ from router.wire.errors import ApiError
 Forward = Callable[[str], Awaitable[Outcome]]
 
 
+def unreachable(retry_s: float) -> ApiError:
+    """No replica is in service (all refuse connections, fail their health checks or are
+    drained): the answer at once, not after the gate timeout, so a wrong replica URL or a
+    dead fleet does not pass for overload."""
+    return ApiError(
+        502,
+        "no engine replica is reachable: every replica is refusing connections, failing its "
+        "health checks or drained; retry later",
+        code="no_replica_reachable",
+        headers={"retry-after": str(max(1, round(retry_s)))},
+    )
+
+
 class Exchange:
     """The owner's side of one request: returns the error to answer, or None."""
 
@@ -128,8 +141,15 @@ class Exchange:
         """Wait for the program's replica; on any exit but success the request is cancelled."""
         r, pid = self.router, self.ticket.program_id
         held_from = r.clock()
+
+        def route() -> str | None:
+            url = r.policy.route(pid)
+            if url is None and not r.reachable():  # nothing will place it: say so now
+                raise unreachable(r.config.health_interval_s)
+            return url
+
         try:
-            url = await r.gate.until_routed(pid, lambda: r.policy.route(pid), deadline)
+            url = await r.gate.until_routed(pid, route, deadline)
         except BaseException:
             r.apply(r.policy.cancel(pid, r.clock()))
             raise

@@ -44,7 +44,7 @@ from router.protocol.link import (
     connect,
 )
 from router.wire.errors import ApiError
-from router.wire.server import Request, Server
+from router.wire.server import Request, Server, Timeouts
 from router.wire.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("mori.worker")
@@ -133,14 +133,20 @@ class Worker:
         self._background: set[asyncio.Task] = set()
 
     async def handle(self, request: Request) -> None:
-        kind = KIND_OF_PATH.get(request.path) if request.method == b"POST" else None
-        if kind is not None:
+        kind = KIND_OF_PATH.get(request.path)
+        if kind is None:
+            await self._to_owner(request)
+        elif request.method == b"POST":
             await Relay(self, request, kind).run()
         else:
-            await self._to_owner(request)
+            error = ApiError(405, f"{request.path.decode()} takes POST", code="method_not_allowed")
+            anthropic = kind == "messages"
+            request.conn.send(405, [JSON, (b"allow", b"POST")], error.body(anthropic))
 
     async def _to_owner(self, request: Request) -> None:
-        """Every other endpoint is the owner's: relay the request and its answer as they are."""
+        """Every other endpoint is the owner's: relay the request and its answer as they
+        are (a HEAD goes as a GET, whose body the server leaves out: the owner's routes
+        answer GET, and a HEAD's answer must be the head of that)."""
         conn = request.conn
         try:
             body = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
@@ -148,9 +154,10 @@ class Worker:
             conn.send(e.status, [JSON], e.body(request.path.startswith(b"/v1/messages")))
             return
         headers = [(k, v) for k, v in request.headers if k not in HOP_HEADERS]
+        method = b"GET" if request.method == b"HEAD" else request.method
         try:
             response = await self.upstream.request(
-                self.admin_url, request.method, request.target, body, headers
+                self.admin_url, method, request.target, body, headers
             )
             try:
                 content = await response.read()
@@ -188,7 +195,8 @@ class Worker:
     async def run(self, listen: socket.socket, stop: asyncio.Event) -> None:
         """Serve the listening socket until `stop` (or the owner is gone), then let the
         requests in flight finish."""
-        server = Server(self.handle, self.config.max_body_bytes)
+        timeouts = Timeouts(self.config.header_timeout_s, self.config.keepalive_timeout_s)
+        server = Server(self.handle, self.config.max_body_bytes, timeouts)
         await server.start(listen)
         watch = asyncio.create_task(self.watch())
         stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self.link.lost.wait())
