@@ -104,6 +104,7 @@ class RouterConfig(BaseModel):
     health_failures: int = Field(default=3, ge=1)
     # passive outlier detection (router/engines/outliers.py)
     stall_s: float = Field(default=2.0, gt=0)  # silence with requests in flight -> probe
+    probe_timeout_s: float = Field(default=1.5, gt=0)  # the probe's first stage: any answer
     outlier_failures: int = Field(default=5, ge=1)  # failed requests in a row -> eject
     eject_s: float = Field(default=10.0, gt=0)  # first ejection; doubles per repeat
     connect_timeout_s: float = Field(default=5.0, gt=0)

@@ -2,8 +2,10 @@
 request that was on them fails over or ends with a clear error within a known bound.
 
 The bound (docs/router.md, Faults): a replica that stops sending bytes is ejected within
-`stall_s` + `health_timeout_s` + `stall_s / 4` (silence, then a failed probe, checked
-every quarter stall); its silent requests are cut at that moment, so a request that had
+`stall_s` + `stall_s / 4` + `probe_timeout_s` when its process does not answer at all (a
+stopped or hung process: the probe's first stage fails), or + `health_timeout_s` when its
+HTTP server answers but its engine does not (the second stage fails); silence is checked
+every quarter stall. Its silent requests are cut at that moment, so a request that had
 not sent a byte to its client is retried elsewhere and a started stream ends with an
 error event. Each test ends with the leak check (`assert_clean`).
 """
@@ -19,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from router.config import RouterConfig
 from tests.router_harness import (
     FAST,
     ScriptedReplica,
@@ -32,7 +35,8 @@ from tests.router_harness import (
 )
 from tests.test_router_faults import hanging_server
 
-OUTLIERS = {"stall_s": 1.0, "health_timeout_s": 1.0, "eject_s": 1.0}
+OUTLIERS = {"stall_s": 1.0, "probe_timeout_s": 1.0, "health_timeout_s": 1.0, "eject_s": 1.0}
+# the slower of the two stages: an engine whose HTTP server answers but /health hangs
 EJECT_BOUND_S = OUTLIERS["stall_s"] + OUTLIERS["health_timeout_s"] + OUTLIERS["stall_s"] / 4
 
 
@@ -236,4 +240,48 @@ def test_sigstopped_replica_under_20_streams():
             while not _replicas(base)[stopped]["healthy"]:
                 assert time.monotonic() < deadline, "replica did not rejoin after SIGCONT"
                 time.sleep(0.1)
+            assert_clean(base)
+
+
+def test_sigstopped_replica_is_cut_within_5_s_with_the_default_settings():
+    """The production defaults (stall, probe, health checks), not the fast ones of the other
+    tests: a SIGSTOPped replica's streams end with an error, and the replica is out of
+    service, within 5 s of the stop (stall_s + stall_s / 4 + probe_timeout_s = 4 s)."""
+    names = ("stall_s", "probe_timeout_s", "health_interval_s", "health_timeout_s")
+    defaults = {n: RouterConfig.model_fields[n].default for n in (*names, "health_failures")}
+    with emulator("--time-scale", "1") as (url_a, proc_a), emulator() as (url_b, _):
+        specs = [  # the first replica has the most room: the streams go there
+            {"url": url_a, "gpu_tokens": 1_000_000, "cpu_tokens": 1_000_000},
+            {"url": url_b, "gpu_tokens": 100_000, "cpu_tokens": 100_000},
+        ]
+        with router(specs, **defaults) as base:
+            runs: dict[str, dict] = {f"d{i}": {} for i in range(3)}
+            threads = [
+                threading.Thread(target=_stream, args=(base, pid, out, 1200))
+                for pid, out in runs.items()
+            ]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while not all("first" in out for out in runs.values()):
+                assert time.monotonic() < deadline, "streams did not start"
+                time.sleep(0.05)
+            os.kill(proc_a.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                while _replicas(base)[url_a]["healthy"]:
+                    assert time.monotonic() - stopped < 5.0, "stopped replica still in service"
+                    time.sleep(0.05)
+                ejected = time.monotonic() - stopped
+                for t in threads:
+                    t.join(30)
+                cut = [out["ended"] - stopped for out in runs.values()]
+                print(f"SIGSTOP, default settings: out after {ejected:.2f} s, streams cut "
+                      f"after {min(cut):.2f}-{max(cut):.2f} s")  # fmt: skip
+                assert all(out["end"].startswith("error: ") for out in runs.values()), runs
+                assert max(cut) < 5.0
+                again = client(base).chat.completions.create(**chat("d0", "again"))
+                assert again.choices[0].message.content  # its program is served elsewhere
+            finally:
+                os.kill(proc_a.pid, signal.SIGCONT)
             assert_clean(base)

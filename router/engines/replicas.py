@@ -72,6 +72,17 @@ class Replica:
                 cpu = _host_tokens(info, gpu, host_ratio)
         return ReplicaCapacity(gpu_tokens=int(gpu), cpu_tokens=int(cpu))
 
+    async def alive(self, timeout_s: float) -> bool:
+        """Whether the replica's HTTP server answers at all (any status) within `timeout_s`.
+        A stopped or hung process does not; an engine busy with a long prefill does, fast
+        (SGLang's HTTP process answers `/v1/models` without its scheduler, whereas its
+        `/health` waits for a one-token generation: a second at least)."""
+        try:
+            await self.upstream.call(self.url, b"GET", b"/v1/models", timeout_s=timeout_s)
+        except UpstreamError:
+            return False
+        return True
+
     async def healthy(self) -> bool:
         try:
             status, _ = await self.upstream.call(

@@ -376,9 +376,15 @@ class Router:
         """The replica's health probe: one in flight at a time, shared by all who ask."""
         probe = self._probes.get(replica.url)
         if probe is None:
-            probe = self._probes[replica.url] = asyncio.ensure_future(replica.healthy())
+            probe = self._probes[replica.url] = asyncio.ensure_future(self._probe(replica))
             probe.add_done_callback(lambda _: self._probes.pop(replica.url, None))
         return probe
+
+    async def _probe(self, replica: Replica) -> bool:
+        """Two stages: is the process there at all (`probe_timeout_s`: a stopped or hung
+        replica fails here, within the fault bound), then is the engine healthy
+        (`health_timeout_s`: a live HTTP server in front of a wedged scheduler fails here)."""
+        return await replica.alive(self.config.probe_timeout_s) and await replica.healthy()
 
     async def confirm(self, replica: Replica, why: str, reason: str) -> bool:
         """After a sign that may be the request's doing as much as the replica's: drain
