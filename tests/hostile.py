@@ -318,8 +318,10 @@ class Generator:
         (the answer of a slowloris client, whose connection is then closed)."""
         case = self.valid()
         late = self.rng.random() < 0.5
-        total = self.header_timeout_s * (1.5 if late else 0.2)
-        case.kind, case.head_drip_s = "slow-head", total / SLOW_HEAD_PIECES
+        # the last piece goes (pieces - 1) gaps after the first: twice the timeout (well
+        # past the timeout plus the server's sweep), or a fifth of it
+        last = self.header_timeout_s * (2.0 if late else 0.2)
+        case.kind, case.head_drip_s = "slow-head", last / (SLOW_HEAD_PIECES - 1)
         if late:
             case.expect, case.needle = (408,), "head"
         return case
