@@ -179,6 +179,31 @@ def test_client_disconnect_mid_stream_on_emulator():
         assert client(base).chat.completions.create(**chat("gone", "back")).choices
 
 
+def test_client_that_leaves_a_long_prefill_frees_the_engine():
+    """A 333k-token prompt (70 engine seconds of prefill, 7 s here at x10) whose client
+    leaves once the engine is computing it: the router aborts it and the engine stops at
+    the end of the prefill chunk under way, so the next program's request is served at
+    once, not after the abandoned prompt was computed whole."""
+    big = ("--time-scale", "10", "--gpu-tokens", "1000000")
+    with emulator(*big) as (url, _), router([url], gate_timeout_s=60) as base:
+        prompt = "word " * (333_000 * 4 // 5)  # 4 characters a token
+        body = json.dumps({**chat("abandoned", prompt), "program_id": "abandoned"}).encode()
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n"
+            sock.sendall(head % len(body) + body)
+            deadline = time.monotonic() + 30
+            while httpx.get(url + "/mori/residency").json()["running"] == 0:
+                assert time.monotonic() < deadline, "the long prompt never reached the engine"
+                time.sleep(0.05)
+        started = time.monotonic()  # the client has left, mid-prefill
+        answer = client(base, timeout=30).chat.completions.create(**chat("next", max_tokens=2))
+        took = time.monotonic() - started
+        assert answer.choices[0].message.content
+        assert took < 2.0, f"the next request waited {took:.1f} s behind the abandoned prefill"
+        assert_clean(base)
+
+
 def test_client_that_leaves_after_done_was_served():
     """The OpenAI SDK closes the connection at `[DONE]`, before the engine ends its
     response: that request was served (its usage reaches the policy, no abort is sent),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.policy.types import EngineMode, Hint
-from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine
+from router.sim.model import PREFILL_CHUNK_TOKENS, CostModel, Done, FirstToken, ReplicaEngine
 from router.sim.presets import PRESETS, get_preset
 
 PRESET = get_preset("h100-8b")
@@ -225,3 +225,40 @@ def test_events_are_buffered_across_calls():
     events = engine.advance(100.0)
     assert [type(e).__name__ for e in events] == ["FirstToken", "Done"]
     assert all(e.rid == "a" for e in events)
+
+
+def test_abort_mid_prefill_frees_the_engine_at_the_next_chunk():
+    """A client that leaves during a 333k-token prompt's prefill (70 s on an H100-8B): the
+    engine stops at the end of the current 8192-token chunk, as SGLang's chunked prefill
+    checks for aborts, and the next request starts then, not when the prompt is done."""
+    engine = ReplicaEngine(PRESET, TYPED, PRESET.gpu_kv_tokens, 0)
+    engine.submit("long", "big", 333_000, 10, 0.0)
+    assert engine.next_event_time() > 60
+    engine.abort("long", 1.0)
+    chunk_s = engine.cost.prefill_s(PREFILL_CHUNK_TOKENS, 0)
+    assert engine.next_event_time() <= chunk_s * 4  # the chunk under way when it was aborted
+    engine.submit("small", "other", 100, 1, 1.0)
+    events, _ = drain(engine)
+    first = next(e for e in events if isinstance(e, FirstToken))
+    assert first.rid == "small" and first.t < 2.0
+    assert not any(e.rid == "long" for e in events)
+    assert engine.usage()["device_active_tokens"] == 0
+    assert engine.stats["prefill_s"] < 3.0  # the abandoned chunks were never computed
+
+
+def test_abort_of_one_prompt_moves_the_rest_of_its_batch_up():
+    """Two prompts queued behind a running prefill enter one batch, a's compute first; a
+    leaves early: b's compute starts at the end of a's current chunk."""
+    engine = ReplicaEngine(PRESET, TYPED, PRESET.gpu_kv_tokens, 0)
+    engine.submit("x", "px", 1_000, 5, 0.0)
+    engine.submit("a", "pa", 100_000, 2, 0.001)  # both wait for x's prefill, then go together
+    engine.submit("b", "pb", 20_000, 2, 0.001)
+    start = engine.next_event_time()  # x's prefill ends, the batch [a, b] starts
+    engine.advance(start)
+    whole = engine.next_event_time() - start
+    engine.abort("a", start + 0.1)
+    events, _ = drain(engine)
+    first_b = next(e for e in events if isinstance(e, FirstToken) and e.rid == "b")
+    b_alone = engine.cost.prefill_s(20_000, 0)
+    assert whole > 5 * b_alone  # a's 100k tokens dominate the batch
+    assert first_b.t < start + 0.1 + engine.cost.prefill_s(PREFILL_CHUNK_TOKENS, 0) + b_alone

@@ -57,7 +57,10 @@ loaded back over PCIe; with none, the anchor is prefilled once the engine has no
 admit. Loaded tokens count as host hits when used (like a busy hint's load-back).
 
 Timing: prefill batches stall decode (SGLang runs prefill and decode batches in turn, no
-mixed chunks by default). A prefill batch lasts max(compute of the new tokens, the PCIe
+mixed chunks by default). A prefill runs in chunks of `PREFILL_CHUNK_TOKENS` (SGLang's
+chunked prefill), and an abort takes effect at the end of the current chunk: a client
+that leaves during a long prompt's prefill frees the engine within a chunk, not when the
+whole prompt is computed. A prefill batch lasts max(compute of the new tokens, the PCIe
 loads of its host hits), since HiCache loads layer by layer under the compute. Decode is
 continuous batching; one iteration costs weights + KV read from HBM (grows with batch and
 total context) plus a fixed overhead. Between events the batch is constant, so a run of k
@@ -79,6 +82,8 @@ from router.sim.kv_tree import RANK, KVTree, Node, SharedPrefix
 from router.sim.presets import Preset
 
 __all__ = ["CostModel", "Done", "FirstToken", "ReplicaEngine", "SharedPrefix"]
+
+PREFILL_CHUNK_TOKENS = 8192  # SGLang's chunked_prefill_size on an 80 GB GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +161,8 @@ class _Request:
     host_hit: int = 0  # prefix loaded from host at admission
     cached: tuple[int, int] = (0, 0)  # reported (device, host): prefetched tokens count as host
     aborted: bool = False
+    prefill_at: float = 0.0  # when its prompt's compute starts in its prefill batch
+    prefill_s: float = 0.0  # ... and how long it lasts
     path: list[Node] = field(default_factory=list)  # its context's nodes, locked on device
 
 
@@ -198,6 +205,7 @@ class _Prefill:
     end: float
     batch: list[_Request] = field(default_factory=list)
     warm: Node | None = None  # a warm-up prefill of an anchor (no request)
+    ready: float = 0.0  # when the PCIe loads of its host hits are done (the end is the later)
 
 
 class ReplicaEngine:
@@ -293,6 +301,7 @@ class ReplicaEngine:
             self._queue.remove(req)
         else:
             req.aborted = True
+            self._cut_prefill(req, now)
             self._interrupt(now)
 
     def apply_hints(
@@ -409,7 +418,8 @@ class ReplicaEngine:
         self._t = max(self._t, now)
         batch = self._admit(self._t)
         if batch:
-            self._phase = _Prefill(self._prefill_end(batch, self._t), batch)
+            compute_end, ready = self._prefill_end(batch, self._t)
+            self._phase = _Prefill(max(compute_end, ready), batch, ready=ready)
             self.stats["prefill_s"] += self._phase.end - self._t
         elif self._warm and not self._queue and self._start_warm(self._t):
             return
@@ -427,6 +437,30 @@ class ReplicaEngine:
             k = min(self._phase.n, self._phase.done_by(now) + 1)
             if k < self._phase.n:
                 self._phase.n = k
+
+    def _cut_prefill(self, req: _Request, now: float) -> None:
+        """An aborted request of the prefill batch stops at the end of its current chunk:
+        its remaining chunks are not computed, and the batch's later prompts move up."""
+        phase = self._phase
+        if not isinstance(phase, _Prefill) or req not in phase.batch or req.prefill_s <= 0:
+            return
+        prefix = req.dev_hit + req.host_hit
+        new_tokens, begun = req.input_tokens - prefix, now - req.prefill_at
+        done_s, done = 0.0, 0  # the chunks begun by `now` (a chunk attends to all before it)
+        while done_s < begun and done < new_tokens:
+            chunk = min(PREFILL_CHUNK_TOKENS, new_tokens - done)
+            done_s += self.cost.prefill_s(chunk, prefix + done)
+            done += chunk
+        saved = req.prefill_s - done_s
+        if saved <= 1e-12:
+            return
+        for other in phase.batch:
+            if other.prefill_at > req.prefill_at:
+                other.prefill_at -= saved
+        req.prefill_s -= saved
+        compute_end = max(r.prefill_at + r.prefill_s for r in phase.batch)
+        self.stats["prefill_s"] -= phase.end - max(compute_end, phase.ready)
+        phase.end = max(compute_end, phase.ready)
 
     def _end_prefill(self, phase: _Prefill) -> None:
         self._t = phase.end
@@ -508,20 +542,23 @@ class ReplicaEngine:
         req.cached = (m.dev - m.prefetched, m.host + m.prefetched)
         return True
 
-    def _prefill_end(self, batch: list[_Request], now: float) -> float:
-        """Compute of the new tokens, overlapped with the PCIe loads of host hits."""
+    def _prefill_end(self, batch: list[_Request], now: float) -> tuple[float, float]:
+        """When the compute of the new tokens ends (prompt after prompt) and when the PCIe
+        loads of host hits, which it overlaps, are done."""
         compute = 0.0
         ready = now
         for req in batch:
             prefix = req.dev_hit + req.host_hit
-            compute += self.cost.prefill_s(req.input_tokens - prefix, prefix)
+            req.prefill_at = now + compute
+            req.prefill_s = self.cost.prefill_s(req.input_tokens - prefix, prefix)
+            compute += req.prefill_s
             self.stats["prefill_tokens"] += req.input_tokens - prefix
             self.stats["loaded_tokens"] += req.host_hit
             ready = max(ready, max(n.ready_at for n in req.path))
             if req.host_hit:
                 self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(req.host_hit)
                 ready = max(ready, self._pcie_free_at)
-        return max(now + compute, ready)
+        return now + compute, ready
 
     def _release(self, req: _Request, context: int, now: float) -> None:
         """The request left the batch: unlock its program's KV and back it up to host."""
