@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import platform
@@ -176,9 +177,21 @@ def run_load(base: str, concurrency: int, workers: int, seconds: float, warmup: 
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (robust to other load on the machine)."""
+    """User + system CPU of a process so far, all its threads (robust to other load)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """A process's child processes (none once it is gone)."""
+    with contextlib.suppress(OSError):
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a process and its children (MORI's owner and workers)."""
+    return cpu_seconds(pid) + sum(tree_cpu(child) for child in children(pid))
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""MORI vs the Rust SGLang gateway (`sglang-router` from PyPI) vs no router, in one run.
+"""MORI vs the Rust SGLang gateways (`smg`, `sglang-router`, from PyPI) vs no router, in one run.
 
     python bench/router_vs_gateway.py                 # pinned phases + all-cores phase
     python bench/router_vs_gateway.py --clients       # upstream client candidates
@@ -13,9 +13,12 @@ system time of the router's processes (MORI: the owner and every worker) from /p
 the measured window, divided by the requests served. The all-cores phase pins nothing
 and gives MORI its default worker count: req/s side by side.
 
-The gateway is installed in its own venv (`--gateway-python`, default
-~/.cache/mori-gw/venv/bin/python; `python -m venv ~/.cache/mori-gw/venv &&
-~/.cache/mori-gw/venv/bin/pip install sglang-router`), never into the project's.
+Two gateways, each in its own venv, never in the project's: `smg` 1.13 (the SGLang Model
+Gateway's current name; `--smg-python`, default ~/.cache/mori-smg/venv/bin/python:
+`python -m venv ~/.cache/mori-smg/venv && ~/.cache/mori-smg/venv/bin/pip install
+'smg==1.13.*'`) and `sglang-router` 0.3.2 (its earlier name; `--gateway-python`, default
+~/.cache/mori-gw/venv/bin/python, `pip install sglang-router==0.3.2`). A gateway whose
+python is missing is left out. Both run with `--policy round_robin`.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.router_overhead import StubEngine, cpu_seconds, in_processes  # noqa: E402
+from bench.router_overhead import StubEngine, cpu_seconds, in_processes, tree_cpu  # noqa: E402
 from router.wire.upstream import Upstream  # noqa: E402
 from tests.servers import free_port, mori, stop  # noqa: E402
 
 PATH = b"/v1/chat/completions"
 GATEWAY_PYTHON = Path.home() / ".cache/mori-gw/venv/bin/python"
+SMG_PYTHON = Path.home() / ".cache/mori-smg/venv/bin/python"
+GATEWAYS = {"smg": "smg.launch_router", "sglang-router": "sglang_router.launch_router"}
 BODY = {
     "model": "default",
     "messages": [{"role": "user", "content": "bench: say hi"}],
@@ -117,16 +122,6 @@ def run_load(base: str, streams: int, seconds: float, warmup: float, procs: int)
 
 
 # --- processes ----------------------------------------------------------------------------
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of a process and its children (MORI's owner and workers)."""
-    total = cpu_seconds(pid)
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    with contextlib.suppress(OSError):
-        for child in children.read_text().split():
-            total += tree_cpu(int(child))
-    return total
-
-
 @contextlib.contextmanager
 def server(argv: list[str], port: int, cpus: str | None, health: str = "/health") -> Iterator:
     pin = ["taskset", "-c", cpus] if cpus else []
@@ -159,13 +154,18 @@ def targets(args: argparse.Namespace, stub: str, workers: list[int]) -> dict:
             "--log-level", "warning", "--set", f"workers={count}",
         ]  # fmt: skip
         out["mori" if count == workers[0] else f"mori-{count}w"] = (argv, port)
-    gw_port = free_port()
-    gateway = [
-        str(args.gateway_python), "-m", "sglang_router.launch_router", "--worker-urls", stub,
-        "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(gw_port),
-        "--prometheus-port", str(free_port()), "--log-level", "warn",
-    ]  # fmt: skip
-    out["gateway"] = (gateway, gw_port)
+    pythons = {"smg": args.smg_python, "sglang-router": args.gateway_python}
+    for name, module in GATEWAYS.items():
+        if not pythons[name].exists():
+            print(f"{name}: no {pythons[name]}, left out")
+            continue
+        gw_port = free_port()
+        gateway = [
+            str(pythons[name]), "-m", module, "--worker-urls", stub,
+            "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(gw_port),
+            "--prometheus-port", str(free_port()), "--log-level", "warn",
+        ]  # fmt: skip
+        out[name] = (gateway, gw_port)
     return out
 
 
@@ -193,7 +193,7 @@ def measure(args: argparse.Namespace, phases: list[tuple[int, int]], cpus: dict,
                         own = cpu_seconds(proc.pid) - own_before  # MORI: the policy owner
                         result["owner_ms"] = 1000 * own / max(1, result["done_all"])
                     rows.setdefault((streams, name), []).append(result)
-                    print(f"rep {rep + 1} {streams:>3} streams {name:>7}: {_brief(result)}")
+                    print(f"rep {rep + 1} {streams:>3} streams {name:>13}: {_brief(result)}")
     return rows
 
 
@@ -242,22 +242,27 @@ def report(rows: dict, title: str, console: Console) -> None:
             )  # fmt: skip
     console.print(table)
     for (streams, name), m in rows.items():
-        g, d = rows.get((streams, "gateway")), rows.get((streams, "direct"))
-        if not name.startswith("mori") or not (g and d):
-            continue
-        parts = [f"{streams} streams: {name}/gateway"]
-        if "cpu_ms" in m[0]:
-            ratios = [a["cpu_ms"] / b["cpu_ms"] for a, b in zip(m, g, strict=True)]
-            parts.append(f"CPU per request {statistics.median(ratios):.2f}x")
-            parts.append(f"(owner process {median_of(m, 'owner_ms'):.3f} ms of it)")
-        added_m = median_of(m, "p50") - median_of(d, "p50")
-        added_g = median_of(g, "p50") - median_of(d, "p50")
-        parts.append(f"added first chunk p50 {added_m:+.2f} vs {added_g:+.2f} ms")
-        head_m = median_of(m, "head50") - median_of(d, "head50")
-        head_g = median_of(g, "head50") - median_of(d, "head50")
-        parts.append(f"added head p50 {head_m:+.2f} vs {head_g:+.2f} ms")
-        parts.append(f"req/s {median_of(m, 'rps') / max(1e-9, median_of(g, 'rps')):.2f}x")
-        console.print(", ".join(parts))
+        for gateway in GATEWAYS:
+            g, d = rows.get((streams, gateway)), rows.get((streams, "direct"))
+            if name.startswith("mori") and g and d:
+                console.print(_ratios(streams, name, gateway, m, g, d))
+
+
+def _ratios(streams: int, name: str, gateway: str, m: list, g: list, d: list) -> str:
+    """One line of MORI's figures over a gateway's, measured side by side."""
+    parts = [f"{streams} streams: {name}/{gateway}"]
+    if "cpu_ms" in m[0]:
+        ratios = [a["cpu_ms"] / b["cpu_ms"] for a, b in zip(m, g, strict=True)]
+        parts.append(f"CPU per request {statistics.median(ratios):.2f}x")
+        parts.append(f"(owner process {median_of(m, 'owner_ms'):.3f} ms of it)")
+    added_m = median_of(m, "p50") - median_of(d, "p50")
+    added_g = median_of(g, "p50") - median_of(d, "p50")
+    parts.append(f"added first chunk p50 {added_m:+.2f} vs {added_g:+.2f} ms")
+    head_m = median_of(m, "head50") - median_of(d, "head50")
+    head_g = median_of(g, "head50") - median_of(d, "head50")
+    parts.append(f"added head p50 {head_m:+.2f} vs {head_g:+.2f} ms")
+    parts.append(f"req/s {median_of(m, 'rps') / max(1e-9, median_of(g, 'rps')):.2f}x")
+    return ", ".join(parts)
 
 
 def main() -> int:
@@ -267,16 +272,18 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--streams", default="1,50,200")
     parser.add_argument("--gateway-python", type=Path, default=GATEWAY_PYTHON)
+    parser.add_argument("--smg-python", type=Path, default=SMG_PYTHON)
     parser.add_argument("--skip-pinned", action="store_true")
     parser.add_argument("--skip-all-cores", action="store_true")
     parser.add_argument("--clients", action="store_true", help="compare upstream clients")
     parser.add_argument("--servers", action="store_true", help="compare server paths")
+    parser.add_argument("--probes", action="store_true", help="with --servers: HTTP probes")
     args = parser.parse_args()
     console = Console(width=120)
     if args.clients or args.servers:
         from bench.data_path_candidates import compare
 
-        compare(args.clients, args.servers, args.reps, console)
+        compare(args.clients, args.servers, args.reps, console, args.probes)
         return 0
     cores = len(os.sched_getaffinity(0))
     load = os.getloadavg()
