@@ -214,6 +214,7 @@ class Relay:
             else OpenAIStream(prepared.client_wants_usage, prepared.client_wants_details)
         )
         conn, clock = self.conn, self.worker.attempts.clock
+        last = b""  # the answer's last bytes: they go out with the end marker, in one write
         try:
             async for chunk in response:
                 attempt.last_byte = clock()
@@ -223,6 +224,9 @@ class Relay:
                 if not self.started:
                     outcome.ttft = time.monotonic()
                     self._start(200, SSE_HEADERS)
+                if response.complete and not response.chunks:
+                    last = out
+                    continue
                 conn.write(out)
                 await conn.drain()
         except asyncio.CancelledError:
@@ -247,7 +251,7 @@ class Relay:
         tail = parser.flush()
         if not self.started:
             self._start(200, SSE_HEADERS)
-        conn.end(tail)
+        conn.end(last + tail)
         self._served(outcome, parser)
 
     def _served(self, outcome: Outcome, parser: OpenAIStream | AnthropicStream) -> None:
