@@ -38,16 +38,9 @@ from bench.preset_writer import gpu_constant, rewrite  # noqa: E402
 from kernels import costs  # noqa: E402
 from kernels.diff import Chunk, apply, block_errors, block_errors_reference, encode  # noqa: E402
 from kernels.planes import HOST_LAYOUTS, Planes, device_pool, host_buffer, host_planes  # noqa: E402
-from kernels.restore import restore, restore_dense  # noqa: E402
+from kernels.restore import MirrorRestore, restore, restore_dense  # noqa: E402
 from kernels.rope import rope_inv_freq, shift_table  # noqa: E402
-from kernels.transfer import (  # noqa: E402
-    PageMove,
-    copy_rows_reference,
-    hint_rows,
-    load,
-    moved_bytes,
-    offload,
-)
+from kernels.transfer import PageMove, copy_rows_reference, hint_rows, move, moved_bytes  # noqa: E402
 from router.sim.model import CostModel  # noqa: E402
 from router.sim.presets import PRESETS, ModelSpec, Preset  # noqa: E402
 
@@ -202,14 +195,13 @@ def _layout_rows(setup: Setup, pool: Planes, moves: list[PageMove], layout: str)
     shape = (layout, m.layers, setup.tokens, m.kv_heads, m.head_dim, setup.dtype, pinned)
     host, expected = host_buffer(*shape), host_buffer(*shape)
     planes, back = host_planes(host, layout), _pool(setup, pool.rows)
-    nbytes = offload(pool, host_planes(expected, layout), moves, size, copy_rows_reference)
+    reference = copy_rows_reference
+    nbytes = move(pool, host_planes(expected, layout), moves, size, "offload", reference)
     runs = {
-        "offload": lambda: offload(pool, planes, moves, size),
-        "load": lambda: load(planes, back, moves, size),
-        "offload (torch reference)": lambda: offload(
-            pool, planes, moves, size, copy_rows_reference
-        ),
-        "load (torch reference)": lambda: load(planes, back, moves, size, copy_rows_reference),
+        "offload": lambda: move(pool, planes, moves, size, "offload"),
+        "load": lambda: move(back, planes, moves, size, "load"),
+        "offload (torch reference)": lambda: move(pool, planes, moves, size, "offload", reference),
+        "load (torch reference)": lambda: move(back, planes, moves, size, "load", reference),
     }
     rows = []
     if pinned:
@@ -307,8 +299,8 @@ def restore_rows(setup: Setup) -> list[Row]:
     slots = torch.randperm(2 * setup.tokens, generator=torch.Generator().manual_seed(5))
     slots = slots[: setup.tokens].to(setup.device)
     args = (master, diff, cos, sin, m.head_dim)
-    fused = timed(lambda: restore(*args, fused_pool, slots), setup)
-    dense = timed(lambda: restore_dense(*args, dense_pool, slots), setup)
+    fused = timed(lambda: restore(MirrorRestore(*args, fused_pool, slots)), setup)
+    dense = timed(lambda: restore_dense(MirrorRestore(*args, dense_pool, slots)), setup)
     pairs = list(zip(fused_pool.views, dense_pool.views, strict=True))
     v_exact = all(torch.equal(a, b) for a, b in pairs[m.layers :])
     k_gap = max(_ulps(a, b) for a, b in pairs[: m.layers])

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels.launch import launch, pow2
 
-MAX_ELEMENTS_PER_STEP = 1024  # heads x head_dim wider than this is scanned in steps
+MAX_ELEMENTS_PER_STEP = 4096  # a block is scanned this many elements at a time
 
 
 @dataclass(frozen=True)
@@ -115,29 +115,26 @@ def _block_errors_kernel(
     errors,
     n_tokens,
     n_blocks,
-    PLANE: tl.constexpr,
+    n_layers,
     ROW: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Program (b, l): block b of layer l; K (plane 0) and V (plane 1) in one running max."""
+    """Program (b, l): block b of layer l is one contiguous run of the chunk in K and one in V
+    (tokens x heads x head_dim); both are scanned BLOCK_E elements at a time."""
     b = tl.program_id(0)
-    layer = tl.program_id(1)
-    i = tl.arange(0, BLOCK_T)
-    t = b * BLOCK_SIZE + i
-    live = ((i < BLOCK_SIZE) & (t < n_tokens))[:, None]
-    worst = tl.full((BLOCK_T, BLOCK_E), 0.0, tl.float32)
+    layer = tl.program_id(1).to(tl.int64)  # chunk offsets pass 2**31 at long contexts
+    size = tl.minimum(BLOCK_SIZE, n_tokens - b * BLOCK_SIZE) * ROW  # the last block may be short
+    worst = tl.full((BLOCK_E,), 0.0, tl.float32)
     for kv in range(2):
-        rows = (kv * PLANE + layer * n_tokens + t)[:, None] * ROW
-        for e0 in range(0, ROW, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)[None, :]
-            mask = live & (e < ROW)
-            m = tl.load(master + rows + e, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(sibling + rows + e, mask=mask, other=0.0).to(tl.float32)
+        start = ((kv * n_layers + layer) * n_tokens + b * BLOCK_SIZE) * ROW
+        for e0 in range(0, BLOCK_SIZE * ROW, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            m = tl.load(master + start + e, mask=e < size, other=0.0).to(tl.float32)
+            s = tl.load(sibling + start + e, mask=e < size, other=0.0).to(tl.float32)
             worst = tl.maximum(worst, tl.abs(s - m))
     # tl.max is reduce(_elementwise_max); called as such, the interpreter runs it as np.nanmax.
-    tl.store(errors + layer * n_blocks + b, tl.reduce(worst, None, tl.standard._elementwise_max))
+    tl.store(errors + layer * n_blocks + b, tl.reduce(worst, 0, tl.standard._elementwise_max))
 
 
 def block_errors(master: Chunk, sibling: Chunk, block_size: int) -> torch.Tensor:
@@ -154,11 +151,10 @@ def block_errors(master: Chunk, sibling: Chunk, block_size: int) -> torch.Tensor
         errors,
         master.tokens,
         blocks,
-        PLANE=master.layers * master.tokens,
+        master.layers,
         ROW=row,
-        BLOCK_T=pow2(block_size),
         BLOCK_SIZE=block_size,
-        BLOCK_E=min(pow2(row), MAX_ELEMENTS_PER_STEP),
+        BLOCK_E=min(pow2(block_size * row), MAX_ELEMENTS_PER_STEP),
     )
     return errors
 

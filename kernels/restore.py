@@ -6,17 +6,19 @@ result into the paged KV cache through a slot map, all in the pass that moves th
 no dense mirror is ever materialised. Its Fig. 13: 0.43 ms fused vs 0.59 ms dense per
 mirror (Qwen2.5-7B, A100), 1.3-2.6x.
 
-`restore` is that pass as one kernel: program (b, l) reads block b of layer l from the
-diff when the diff holds it and from the master otherwise (the other load is masked off),
-rotates K (neox, `kernels.rope`), copies V and any K dimensions past `rotary_dim`, and
-stores each token's row at `slot_map[token]` of the pool's planes. `restore_dense` is the
-multi-pass restore it replaces and its reference: materialise the mirror (`diff.apply`),
-re-rotate its keys, scatter both into the pool. They agree bit for bit except rotated K,
-which is within one unit in the last place of the storage dtype (Triton's interpreter
-truncates fp32 -> bf16 where torch and CUDA round to nearest even).
+A `MirrorRestore` names one restore's inputs. `restore` is the pass as one kernel: program
+(b, l) reads block b of layer l from the diff when the diff holds it and from the master
+otherwise (the other load is masked off), rotates K (neox, `kernels.rope`), copies V and any K
+dimensions past `rotary_dim`, and stores each token's row at `slot_map[token]` of the pool's
+planes. `restore_dense` is the multi-pass restore it replaces and its reference: materialise
+the mirror (`diff.apply`), re-rotate its keys, scatter both into the pool. They agree bit for
+bit except rotated K, which is within one unit in the last place of the storage dtype
+(Triton's interpreter truncates fp32 -> bf16 where torch and CUDA round to nearest even).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,34 +30,37 @@ from kernels.planes import Planes
 from kernels.rope import rerotate_reference
 
 
-def _check(
-    master: Chunk, diff: BlockDiff, cos: torch.Tensor, rotary_dim: int, pool: Planes, slots
-) -> None:
-    heads, head_dim = master.kv.shape[3:]
-    if pool.layers != master.layers or pool.views[0].shape[1:] != (heads, head_dim):
-        raise ValueError("the pool's (layers, heads, head_dim) differ from the chunk's")
-    if pool.dtype != master.kv.dtype or diff.values.dtype != master.kv.dtype:
-        raise ValueError("chunk, diff and pool need one dtype")
-    if slots.shape != (master.tokens,) or cos.shape != (master.tokens, rotary_dim // 2):
-        raise ValueError("one slot and one (cos, sin) row per token of the chunk")
+@dataclass(frozen=True)
+class MirrorRestore:
+    """One mirror to restore: its master chunk and diff, the RoPE shift to its positions (cos
+    and sin, one row per token, of a `rotary_dim` rotation), and the pool row of each token."""
+
+    master: Chunk
+    diff: BlockDiff
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
+    pool: Planes
+    slot_map: torch.Tensor
+
+    def __post_init__(self) -> None:
+        master, pool, tokens = self.master, self.pool, self.master.tokens
+        if pool.layers != master.layers or pool.views[0].shape[1:] != master.kv.shape[3:]:
+            raise ValueError("the pool's (layers, heads, head_dim) differ from the chunk's")
+        if pool.dtype != master.kv.dtype or self.diff.values.dtype != master.kv.dtype:
+            raise ValueError("chunk, diff and pool need one dtype")
+        table = (tokens, self.rotary_dim // 2)
+        if self.slot_map.shape != (tokens,) or {self.cos.shape, self.sin.shape} != {table}:
+            raise ValueError("one slot and one (cos, sin) row per token of the chunk")
 
 
-def restore_dense(
-    master: Chunk,
-    diff: BlockDiff,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    pool: Planes,
-    slot_map: torch.Tensor,
-) -> None:
+def restore_dense(job: MirrorRestore) -> None:
     """The dense restore: materialise the mirror, re-rotate its keys, scatter into the pool."""
-    _check(master, diff, cos, rotary_dim, pool, slot_map)
-    mirror = apply(master, diff)
-    for layer in range(master.layers):
-        keys = rerotate_reference(mirror.kv[0, layer], cos, sin, rotary_dim)
-        pool.views[layer][slot_map] = keys
-        pool.views[pool.layers + layer][slot_map] = mirror.kv[1, layer]
+    mirror, pool, slots = apply(job.master, job.diff), job.pool, job.slot_map
+    for layer in range(mirror.layers):
+        keys = rerotate_reference(mirror.kv[0, layer], job.cos, job.sin, job.rotary_dim)
+        pool.views[layer][slots] = keys
+        pool.views[pool.layers + layer][slots] = mirror.kv[1, layer]
 
 
 @triton.jit
@@ -83,7 +88,7 @@ def _restore_kernel(
 ):
     """Program (b, l): block b of layer l, from diff or master, K rotated, into the pool."""
     b = tl.program_id(0)
-    layer = tl.program_id(1)
+    layer = tl.program_id(1).to(tl.int64)  # chunk offsets pass 2**31 at long contexts
     i = tl.arange(0, BLOCK_T)[:, None]
     t = b * BLOCK_SIZE + i
     live = (i < BLOCK_SIZE) & (t < n_tokens)
@@ -124,20 +129,11 @@ def _restore_kernel(
         tl.store(keys + slot + e2, (x2 * c + x1 * s).to(DTYPE), mask=pair)
 
 
-def restore(
-    master: Chunk,
-    diff: BlockDiff,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    pool: Planes,
-    slot_map: torch.Tensor,
-) -> None:
+def restore(job: MirrorRestore) -> None:
     """`restore_dense` in one kernel pass: no dense mirror, one read and one write per element."""
-    _check(master, diff, cos, rotary_dim, pool, slot_map)
+    master, diff, device = job.master, job.diff, job.pool.device
     heads, head_dim = master.kv.shape[3:]
     blocks = master.blocks(diff.block_size)
-    device = pool.device
     launch(
         _restore_kernel,
         (blocks, master.layers),
@@ -145,21 +141,21 @@ def restore(
         master.kv,
         diff.values,
         diff.block_map(master.layers, blocks),
-        cos.contiguous(),
-        sin.contiguous(),
-        slot_map.to(device=device, dtype=torch.int64),
-        pool.table(device),
-        pool.row_stride,
+        job.cos.contiguous(),
+        job.sin.contiguous(),
+        job.slot_map.to(device=device, dtype=torch.int64),
+        job.pool.table(device),
+        job.pool.row_stride,
         master.tokens,
         blocks,
         master.layers,
         diff.count,
         HEADS=heads,
         HEAD_DIM=head_dim,
-        HALF=rotary_dim // 2,
+        HALF=job.rotary_dim // 2,
         BLOCK_SIZE=diff.block_size,
         BLOCK_T=pow2(diff.block_size),
-        BLOCK_HALF=pow2(rotary_dim // 2),
+        BLOCK_HALF=pow2(job.rotary_dim // 2),
         BLOCK_DIM=pow2(head_dim),
-        DTYPE=element_type(pool.dtype),
+        DTYPE=element_type(job.pool.dtype),
     )

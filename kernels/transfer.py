@@ -9,13 +9,14 @@ current stream (run it under `torch.cuda.stream(...)` to overlap compute); host 
 be pinned so the kernel reaches them directly.
 
 `copy_rows` is the kernel (raw words: bit-exact for any dtype); `copy_rows_reference` is the
-same copy in torch indexing. `offload` and `load` take either.
+same copy in torch indexing. `move` (offload or load) takes either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -43,6 +44,7 @@ class PageMove:
 
 
 RowCopy = Callable[[Planes, Planes, torch.Tensor, torch.Tensor], None]
+Direction = Literal["offload", "load"]
 
 
 def page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -150,27 +152,19 @@ def moved_bytes(planes: Planes, rows: int) -> int:
     return rows * len(planes.views) * planes.row_elements * planes.item_bytes
 
 
-def offload(
+def move(
     device: Planes,
     host: Planes,
     moves: Sequence[PageMove],
     page_size: int,
+    direction: Direction,
     copy: RowCopy = copy_rows,
 ) -> int:
-    """Gather the moved programs' device pages into their host pages; bytes moved."""
+    """Offload (gather the programs' device pages into their host pages) or load (scatter them
+    back), every program of the hint in one copy; the bytes moved."""
     device_rows, host_rows = hint_rows(moves, page_size, device.device)
-    copy(device, host, device_rows, host_rows)
-    return moved_bytes(device, device_rows.numel())
-
-
-def load(
-    host: Planes,
-    device: Planes,
-    moves: Sequence[PageMove],
-    page_size: int,
-    copy: RowCopy = copy_rows,
-) -> int:
-    """Scatter the moved programs' host pages back into their device pages; bytes moved."""
-    device_rows, host_rows = hint_rows(moves, page_size, device.device)
-    copy(host, device, host_rows, device_rows)
+    if direction == "offload":
+        copy(device, host, device_rows, host_rows)
+    else:
+        copy(host, device, host_rows, device_rows)
     return moved_bytes(device, device_rows.numel())

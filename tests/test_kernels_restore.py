@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from kernels.diff import Chunk, encode  # noqa: E402
 from kernels.planes import device_pool  # noqa: E402
-from kernels.restore import restore, restore_dense  # noqa: E402
+from kernels.restore import MirrorRestore, restore, restore_dense  # noqa: E402
 from kernels.rope import position_table, rerotate_reference, rope_inv_freq, shift_table  # noqa: E402
 from kernels.transfer import page_rows  # noqa: E402
 from tests.kernels_support import DEVICES, DTYPES, MODELS, assert_within_ulp  # noqa: E402
@@ -38,8 +38,8 @@ def _slots(tokens: int, device: str) -> torch.Tensor:
 def _both(master, diff, cos, sin, rotary, heads, head_dim, dtype, device, slots):
     """The pool after the fused kernel, and after the dense restore."""
     pools = [device_pool(LAYERS, POOL_PAGES * PAGE, heads, head_dim, dtype, device) for _ in "ab"]
-    restore(master, diff, cos, sin, rotary, pools[0], slots)
-    restore_dense(master, diff, cos, sin, rotary, pools[1], slots)
+    restore(MirrorRestore(master, diff, cos, sin, rotary, pools[0], slots))
+    restore_dense(MirrorRestore(master, diff, cos, sin, rotary, pools[1], slots))
     return pools
 
 
@@ -90,7 +90,7 @@ def test_the_pool_holds_the_mirror_as_the_model_caches_it_at_its_positions(devic
     cos, sin = (t.to(device) for t in shift_table(old, new, inv_freq))
     pool = device_pool(LAYERS, POOL_PAGES * PAGE, 8, 128, dtype, device)
     slots = _slots(tokens, device)
-    restore(master, diff, cos, sin, rotary, pool, slots)
+    restore(MirrorRestore(master, diff, cos, sin, rotary, pool, slots))
     expected = cached(raw_mirror, new)
     bound = 3 * torch.finfo(dtype).eps * raw.abs().max().item()
     for layer in range(LAYERS):
@@ -120,7 +120,9 @@ def test_a_pool_that_does_not_fit_the_chunk_is_refused() -> None:
     cos, sin = shift_table(torch.arange(16), torch.arange(16), rope_inv_freq(128, THETA))
     narrow = device_pool(LAYERS, 64, 8, 128, torch.float16, "cpu")
     with pytest.raises(ValueError, match="heads"):
-        restore(master, diff, cos, sin, 128, narrow, torch.arange(16))
+        MirrorRestore(master, diff, cos, sin, 128, narrow, torch.arange(16))
     pool = device_pool(LAYERS, 64, 4, 128, torch.float16, "cpu")
     with pytest.raises(ValueError, match="slot"):
-        restore(master, diff, cos, sin, 128, pool, torch.arange(15))
+        MirrorRestore(master, diff, cos, sin, 128, pool, torch.arange(15))
+    with pytest.raises(ValueError, match="slot"):
+        MirrorRestore(master, diff, cos, sin[:, :32], 128, pool, torch.arange(16))

@@ -8,7 +8,7 @@ pytest.importorskip("triton", reason="needs the kernels extra: pip install -e '.
 import torch  # noqa: E402
 
 from kernels.planes import HOST_LAYOUTS, Planes, device_pool, host_buffer, host_planes  # noqa: E402
-from kernels.transfer import PageMove, copy_rows, copy_rows_reference, load, offload  # noqa: E402
+from kernels.transfer import PageMove, copy_rows, copy_rows_reference, move  # noqa: E402
 from tests.kernels_support import DEVICES, DTYPES, MODELS, PAGE_SIZES, random_like  # noqa: E402
 
 LAYERS = 2  # the copy is the same for every layer; two show K/V of layer l land in plane l
@@ -49,13 +49,15 @@ def test_offload_gathers_each_program_page_into_its_host_page(
 ) -> None:
     pool, host = _pools(device, dtype, heads, head_dim, page_size, layout)
     expected = host.clone()
-    moved = offload(pool, host_planes(host, layout), _hint(), page_size)
-    offload(pool, host_planes(expected, layout), _hint(), page_size, copy=copy_rows_reference)
+    moved = move(pool, host_planes(host, layout), _hint(), page_size, "offload")
+    move(
+        pool, host_planes(expected, layout), _hint(), page_size, "offload", copy=copy_rows_reference
+    )
     assert torch.equal(host, expected)  # kernel == reference, bit for bit
     planes = host_planes(host, layout)
-    for move in _hint():
-        dev = _rows(move.device_pages.tolist(), page_size)
-        hst = _rows(move.host_pages.tolist(), page_size)
+    for program in _hint():
+        dev = _rows(program.device_pages.tolist(), page_size)
+        hst = _rows(program.host_pages.tolist(), page_size)
         for source, target in zip(pool.views, planes.views, strict=True):
             assert torch.equal(target[hst], source[dev].cpu())
     untouched = sorted(set(range(HOST_PAGES)) - {0, 4, 9, 1})
@@ -69,11 +71,11 @@ def test_offload_gathers_each_program_page_into_its_host_page(
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_load_puts_every_page_back_where_it_was(device, layout, page_size) -> None:
     pool, host = _pools(device, torch.bfloat16, 8, 128, page_size, layout)
-    offload(pool, host_planes(host, layout), _hint(), page_size)
+    move(pool, host_planes(host, layout), _hint(), page_size, "offload")
     empty = device_pool(LAYERS, DEVICE_PAGES * page_size, 8, 128, torch.bfloat16, device)
     reference = device_pool(LAYERS, DEVICE_PAGES * page_size, 8, 128, torch.bfloat16, device)
-    load(host_planes(host, layout), empty, _hint(), page_size)
-    load(host_planes(host, layout), reference, _hint(), page_size, copy=copy_rows_reference)
+    move(empty, host_planes(host, layout), _hint(), page_size, "load")
+    move(reference, host_planes(host, layout), _hint(), page_size, "load", copy=copy_rows_reference)
     back = _rows([7, 2, 11, 5], page_size)
     rest = _rows(sorted(set(range(DEVICE_PAGES)) - {7, 2, 11, 5}), page_size)
     for got, ref, original in zip(empty.views, reference.views, pool.views, strict=True):
@@ -86,9 +88,9 @@ def test_load_puts_every_page_back_where_it_was(device, layout, page_size) -> No
 def test_one_launch_for_a_hint_equals_one_per_program(device) -> None:
     pool, together = _pools(device, torch.float16, 4, 128, 16, "page_first")
     one_by_one = together.clone()
-    offload(pool, host_planes(together, "page_first"), _hint(), 16)
-    for move in _hint():
-        offload(pool, host_planes(one_by_one, "page_first"), [move], 16)
+    move(pool, host_planes(together, "page_first"), _hint(), 16, "offload")
+    for program in _hint():
+        move(pool, host_planes(one_by_one, "page_first"), [program], 16, "offload")
     assert torch.equal(together, one_by_one)
 
 
@@ -96,8 +98,8 @@ def test_one_launch_for_a_hint_equals_one_per_program(device) -> None:
 def test_a_hint_with_nothing_to_move_moves_nothing(device) -> None:
     pool, host = _pools(device, torch.float16, 8, 128, 16, "layer_first")
     nothing = PageMove(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
-    assert offload(pool, host_planes(host, "layer_first"), [], 16) == 0
-    assert offload(pool, host_planes(host, "layer_first"), [nothing], 16) == 0
+    assert move(pool, host_planes(host, "layer_first"), [], 16, "offload") == 0
+    assert move(pool, host_planes(host, "layer_first"), [nothing], 16, "offload") == 0
     assert not host.any()
 
 
@@ -119,7 +121,7 @@ def test_mismatched_pools_are_refused() -> None:
     pool = device_pool(2, 16, 8, 128, torch.float16, "cpu")
     host = host_planes(host_buffer("layer_first", 2, 16, 8, 128, torch.bfloat16), "layer_first")
     with pytest.raises(ValueError, match="dtype"):
-        offload(pool, host, [PageMove(torch.tensor([0]), torch.tensor([0]))], 1)
+        move(pool, host, [PageMove(torch.tensor([0]), torch.tensor([0]))], 1, "offload")
     with pytest.raises(ValueError, match="one to one"):
         PageMove(torch.tensor([0, 1]), torch.tensor([0]))
     strided = torch.zeros(16, 2, 8, 128, dtype=torch.float16)[:, 0]
