@@ -165,6 +165,20 @@ def _newcomers(base: str, stop: threading.Event, out: list[tuple[float, str]]) -
         out.append((time.monotonic() - started, text or ""))
 
 
+def _started_streams(base: str, runs: dict[str, dict], tokens: int) -> list[threading.Thread]:
+    """One streaming thread per program of `runs`, once each has its first chunk."""
+    threads = [
+        threading.Thread(target=_stream, args=(base, pid, out, tokens)) for pid, out in runs.items()
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not all("first" in out for out in runs.values()):
+        assert time.monotonic() < deadline, "streams did not start"
+        time.sleep(0.05)
+    return threads
+
+
 def test_sigstopped_replica_under_20_streams():
     """SIGSTOP one of two replicas while 20 programs stream: it is ejected (no new program
     goes to it) within 5 s; each stream completes or ends with an error within the
@@ -177,16 +191,7 @@ def test_sigstopped_replica_under_20_streams():
             runs = {f"s{i}": {} for i in range(20)}
             # 1200 tokens (~10 s): no stream may end on its own around the SIGSTOP, even
             # when a loaded machine takes seconds to start all 20
-            threads = [
-                threading.Thread(target=_stream, args=(base, pid, out, 1200))
-                for pid, out in runs.items()
-            ]
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 30
-            while not all("first" in out for out in runs.values()):
-                assert time.monotonic() < deadline, "streams did not start"
-                time.sleep(0.05)
+            threads = _started_streams(base, runs, 1200)
             placed = {
                 p["program_id"]: p["last_replica"]
                 for p in httpx.get(base + "/v1/programs").json()["data"]
@@ -256,16 +261,7 @@ def test_sigstopped_replica_is_cut_within_5_s_with_the_default_settings():
         ]
         with router(specs, **defaults) as base:
             runs: dict[str, dict] = {f"d{i}": {} for i in range(3)}
-            threads = [
-                threading.Thread(target=_stream, args=(base, pid, out, 1200))
-                for pid, out in runs.items()
-            ]
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 30
-            while not all("first" in out for out in runs.values()):
-                assert time.monotonic() < deadline, "streams did not start"
-                time.sleep(0.05)
+            threads = _started_streams(base, runs, 1200)
             os.kill(proc_a.pid, signal.SIGSTOP)
             stopped = time.monotonic()
             try:
