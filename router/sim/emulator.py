@@ -637,7 +637,11 @@ def create_app(replica: EmulatedReplica) -> FastAPI:
 
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        return replica.info
+        # what the engine holds and queues now, for the live-vs-sim differential check
+        usage = replica.engine.usage() | {
+            k: replica.engine.stats[k] for k in ("admitted", "queue_wait_s")
+        }
+        return replica.info | {"mori_usage": usage}
 
     @app.get("/v1/models")
     async def models() -> dict:
