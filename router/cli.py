@@ -1,7 +1,11 @@
-"""The `mori` command: one subcommand per job, each living in the module that owns it.
+"""MORI routes LLM agent traffic to SGLang replicas and keeps each agent's KV cache where it
+pays: on the GPU while the agent thinks, in host memory during its tool calls.
 
-Only the chosen subcommand's module is imported, so `mori sim` never loads the web
-stack and `mori serve` never loads matplotlib.
+Start with `mori demo` (no GPU needed): two emulated replicas, the router and a replayed agent
+workload, MORI against two baselines, in about three minutes.
+
+Only the chosen subcommand's module is imported, so `mori sim` never loads the web stack and
+`mori serve` never loads matplotlib.
 """
 
 from __future__ import annotations
@@ -19,13 +23,33 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("router.replay.cli", "replay a trace against an OpenAI endpoint (closed loop)"),
     "trace": ("router.replay.trace_cli", "generate, validate or summarise agent traces"),
 }
+EPILOG = "`mori COMMAND --help` lists a command's flags. Documentation: README.md and docs/."
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless it has none worth showing (None,
+    False, empty) or the help text already says it (a default that depends on other flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action) or text
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mori", description=__doc__.splitlines()[0])
+    intro = __doc__.split("\n\n")[:2]
+    parser = argparse.ArgumentParser(
+        prog="mori",
+        description="\n\n".join(" ".join(p.split()) for p in intro),
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if name == command:
             import_module(module).configure(p)
     return parser

@@ -98,8 +98,8 @@ def replay_with_progress(
 
         def tick(fraction: float) -> None:
             p = run.progress
-            wall = max(fraction * config.duration_s, 1e-9)
-            text = f"{p.steps} steps, {p.output_tokens / wall:.0f} out tok/s (wall)"
+            trace_s = max(fraction * config.duration_s * config.time_scale, 1e-9)
+            text = f"{p.steps} steps, {p.output_tokens / trace_s:.0f} out tok/s"
             if p.failed:
                 text += f", [red]{p.failed} failed[/red]"
             bar.update(task, completed=fraction, stats=text)
