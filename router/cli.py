@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from importlib import import_module
 
 # name -> (module, one-line help). Each module defines configure(parser) and run(args) -> int.
@@ -23,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("router.replay.cli", "replay a trace against an OpenAI endpoint (closed loop)"),
     "trace": ("router.replay.trace_cli", "generate, validate or summarise agent traces"),
 }
-EPILOG = "`mori COMMAND --help` lists a command's flags. Documentation: README.md and docs/."
+EPILOG = "`mori COMMAND --help` lists its flags. Documentation: README.md and docs/."
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -32,16 +33,30 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+        nothing = action.default is None or action.default is False or action.default == []
+        if "default" in text or nothing or action.default is argparse.SUPPRESS:
             return text
         return super()._get_help_string(action) or text
 
 
+def _describe(text: str) -> str:
+    """Paragraphs of a docstring, each filled to 79 columns."""
+    return "\n\n".join(textwrap.fill(" ".join(p.split()), 79) for p in text.split("\n\n"))
+
+
+def _with_formatter(parser: argparse.ArgumentParser) -> None:
+    """Nested subcommands (`mori trace generate`) show their defaults too."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                child.formatter_class = HelpFormatter
+                _with_formatter(child)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    intro = __doc__.split("\n\n")[:2]
     parser = argparse.ArgumentParser(
         prog="mori",
-        description="\n\n".join(" ".join(p.split()) for p in intro),
+        description=_describe("\n\n".join(__doc__.split("\n\n")[:2])),
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
@@ -52,6 +67,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         )
         if name == command:
             import_module(module).configure(p)
+            _with_formatter(p)
     return parser
 
 

@@ -56,7 +56,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="corpus order and start jitter")
     parser.add_argument("--model", help="model name to request (default: the endpoint's first)")
     parser.add_argument("--api-key", default="none", help="API key for the endpoint")
-    parser.add_argument("--json", dest="json_out", help="write results JSON (+ .csv, plots)")
+    parser.add_argument(
+        "--json",
+        dest="json_out",
+        help="write results JSON (+ .csv, steps CSV, plots) (default: none)",
+    )
     parser.add_argument(
         "--wide", action="store_true", help="results table with every metric (over 80 columns)"
     )
