@@ -98,7 +98,7 @@ def replay_with_progress(
         stats,
         console=console,
     ) as bar:
-        task = bar.add_task(f"replaying x{config.concurrency}", total=1.0, stats="")
+        task = bar.add_task(f"{config.concurrency} programs", total=1.0, stats="")
 
         def tick(fraction: float) -> None:
             p = run.progress
