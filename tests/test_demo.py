@@ -80,6 +80,10 @@ def test_demo_rejects_unknown_policy(tmp_path):
         timeout=30,
     )
     assert done.returncode == 2 and "unknown policy 'nope'" in done.stdout
+    done = subprocess.run(
+        mori("demo", "--reps", "0", "--out", str(tmp_path)), capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--reps must be at least 1" in done.stdout
 
 
 def test_keep_running_stack_stops_on_interrupt(tmp_path):
