@@ -340,7 +340,7 @@ def _report(
     results: list[RunResult], args: argparse.Namespace, trace: Path, console: Console
 ) -> None:
     """The policies side by side, MORI's ratios, and the JSON/CSV/plots."""
-    title = f"mori demo: {trace.name}"
+    title = trace.name  # the report adds the cell and the runs
     print_results(console, results, title, args.wide)
     meta = {
         "trace": str(trace),

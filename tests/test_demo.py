@@ -23,12 +23,12 @@ def _no_listener(url: str) -> bool:
     return False
 
 
-POLICIES = ["mori", "ta+o", "smg", "continuum"]
+POLICIES = ["mori", "smg", "continuum"]
 
 
 def test_short_demo_compares_policies_interleaved_and_stops_its_servers(tmp_path):
     argv = mori(
-        "demo", "--duration", "4", "--concurrency", "6", "--policies", ",".join(POLICIES),
+        "demo", "--duration", "3", "--concurrency", "6", "--policies", ",".join(POLICIES),
         "--reps", "2", "--out", str(tmp_path),
     )  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
@@ -41,9 +41,9 @@ def test_short_demo_compares_policies_interleaved_and_stops_its_servers(tmp_path
         assert row["output_tok_s"] > 0 and row["steps_s"] > 0 and row["failed_steps"] == 0
         assert 0 < row["hit_device"] + row["hit_host"] <= 1
     summary = {r["versus"]: r for r in report["ratio_summary"]}
-    assert set(summary) == {"ta+o", "smg", "continuum"}
+    assert set(summary) == {"smg", "continuum"}
     assert all(r["runs"] == 2 and r["throughput_ratio"]["mean"] > 0 for r in summary.values())
-    # interleaved: A B C D A B C D
+    # interleaved: A B C A B C
     started = [ln.split(": router up")[0].split()[-1] for ln in done.stdout.splitlines()
                if ": router up" in ln]  # fmt: skip
     assert started == POLICIES * 2, done.stdout
@@ -52,7 +52,8 @@ def test_short_demo_compares_policies_interleaved_and_stops_its_servers(tmp_path
     assert "x5 faster than real time" in done.stdout and "trace clock" in done.stdout
     assert all(POLICY_WORDS[p] in done.stdout for p in POLICIES), done.stdout
     assert "TTFT s" in done.stdout and "GPU KV" in done.stdout and "churn" in done.stdout
-    assert "mean of 2 runs" in done.stdout and "mori relative to each policy" in done.stdout
+    text = " ".join(done.stdout.split())  # titles wrap at 80 columns
+    assert "mean of 2 runs" in text and "mori relative to each policy" in text
     for name in ("demo.csv", "demo-throughput.png", "demo-ttft.png", "demo-ttft-p99.png"):
         assert (tmp_path / name).is_file(), name
     for policy in POLICIES:
