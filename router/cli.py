@@ -2,7 +2,7 @@
 pays: on the GPU while the agent thinks, in host memory during its tool calls.
 
 Start with `mori demo` (no GPU needed): two emulated replicas, the router and a replayed agent
-workload, MORI against two baselines, in about three minutes.
+workload, MORI against two baselines, in under three minutes.
 
 Only the chosen subcommand's module is imported, so `mori sim` never loads the web stack and
 `mori serve` never loads matplotlib.

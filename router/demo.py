@@ -340,8 +340,7 @@ def _report(
     results: list[RunResult], args: argparse.Namespace, trace: Path, console: Console
 ) -> None:
     """The policies side by side, MORI's ratios, and the JSON/CSV/plots."""
-    title = trace.name  # the report adds the cell and the runs
-    print_results(console, results, title, args.wide)
+    print_results(console, results, trace.name, args.wide)  # the table adds cell and runs
     meta = {
         "trace": str(trace),
         "reps": args.reps,
@@ -352,5 +351,6 @@ def _report(
         "gpu_tokens": args.gpu_tokens,
         "host_tokens": args.host_tokens,
     }
-    for path in write_reports(results, Path(args.out) / "demo.json", title, meta):
+    plots_title = f"mori demo: {trace.name}"
+    for path in write_reports(results, Path(args.out) / "demo.json", plots_title, meta):
         console.print(f"wrote {path}")
