@@ -1,5 +1,6 @@
 """Every third-party module the package imports is declared in pyproject.toml: the router's in
-its dependencies, the engine patch's there or in an extra (it runs inside SGLang's environment).
+its dependencies, the engine patch's and the kernels' there or in an extra (they run inside
+SGLang's environment, or with the `kernels` extra).
 A fresh `pip install .` then never meets an ImportError that a dev machine hid."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FIRST_PARTY = {"router", "engine_patches"}
+FIRST_PARTY = {"router", "engine_patches", "kernels"}
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
@@ -61,7 +62,8 @@ def distributions(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    ("root", "declared"), [("router", CORE), ("engine_patches", CORE | EXTRAS)]
+    ("root", "declared"),
+    [("router", CORE), ("engine_patches", CORE | EXTRAS), ("kernels", CORE | EXTRAS)],
 )
 def test_every_third_party_import_is_declared(root: str, declared: set[str]) -> None:
     modules = third_party(root)
