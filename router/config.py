@@ -65,7 +65,9 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replicas: list[ReplicaSpec] = Field(default_factory=list)
-    host: str = "0.0.0.0"
+    # Loopback, like every `mori` server: the router's admin and program APIs need no key
+    # until api_keys/admin_key are set. Containers listen on 0.0.0.0 (MORI_HOST in the image).
+    host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     workers: int | None = Field(default=None, ge=1)  # data-plane processes; None: the cores
     policy: str = "mori"

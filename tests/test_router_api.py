@@ -145,7 +145,15 @@ def test_completions_and_models(base):
         model="default", prompt="def f():", max_tokens=4, extra_body={"program_id": "cmp-1"}
     )
     assert text.choices[0].text and text.usage.completion_tokens > 0
-    assert c.models.list().data
+    (served,) = c.models.list().data  # the replicas' one model, as the first healthy one lists it
+    # Any `model` name is passed through: the engine serves its one model and echoes the name
+    # asked for, as SGLang does (docs/router.md, "Models").
+    for name in (served.id, "default", "no-such-model"):
+        out = c.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_body={"program_id": "models-1"},
+        )  # fmt: skip
+        assert out.model == name and out.usage.completion_tokens == 2
 
 
 def test_program_id_from_header_and_fingerprint(base):
