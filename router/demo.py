@@ -122,9 +122,16 @@ class Stack:
         self.urls: dict[str, str] = {}
 
     def start(self, name: str, argv: list[str], url: str, env: dict | None = None) -> None:
+        """`mori ARGV` as process `name`, once `url`/health answers."""
+        self.start_command(name, [sys.executable, "-m", "router.cli", *argv], url, env)
+
+    def start_command(
+        self, name: str, command: list[str], url: str, env: dict | None = None
+    ) -> None:
+        """Any server (a benchmark's external gateway) as process `name`, once it is up."""
         log = (self.logs / f"{name}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", *argv],
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
