@@ -29,11 +29,13 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from router.demo import Stack, pick_trace, start_stack
@@ -114,12 +116,11 @@ async def _live_sample(
     """The router's program views and move counts, each replica's own usage."""
     programs = (await client.get(router + "/v1/programs")).json()["data"]
     metrics = (await client.get(router + "/metrics")).text
-    moves = {
-        s.labels["reason"]: int(s.value)
-        for family in text_string_to_metric_families(metrics)
-        for s in family.samples
-        if s.name == "mori_moves_total"
-    }
+    moves: Counter[str] = Counter()  # by reason, whatever the tiers (labels src, dst)
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.name == "mori_moves_total":
+                moves[s.labels["reason"]] += int(s.value)
     engines = {}
     for url in replicas:
         info = (await client.get(url + "/get_server_info")).json()
@@ -249,7 +250,7 @@ def _timeline_table(policy: str, live: list[Sample], sim: list[Sample], tol: flo
         off = not small and (row.sim == 0 or abs(row.ratio - 1) > tol)
         style = "red" if off else None
         table.add_row(
-            row.metric,
+            escape(row.metric),
             f"{row.live:.2f}",
             f"{row.sim:.2f}",
             "-" if row.sim == 0 else f"{row.ratio:.2f}",
