@@ -27,7 +27,7 @@ from rich.console import Console
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.gateways import SMG_PYTHON, gateway_argv  # noqa: E402
+from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
 from router.demo import Stack, free_port, pick_trace, start_stack  # noqa: E402
 from router.replay.client import Replay, ReplayConfig  # noqa: E402
 from router.replay.records import RunResult  # noqa: E402
@@ -47,6 +47,7 @@ def one_run(args: argparse.Namespace, policy: str, corpus, token_scale: float) -
                 argv = gateway_argv("smg", replicas, port, free_port(), python=args.smg_python)
                 endpoint = f"http://127.0.0.1:{port}"
                 stack.start_command("gateway", argv, endpoint)
+                wait_serving(endpoint)
             config = ReplayConfig(
                 endpoint=endpoint,
                 concurrency=args.concurrency,

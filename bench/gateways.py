@@ -13,6 +13,7 @@ It finds its workers' model through `/v1/models` and routes only requests that n
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -40,3 +41,17 @@ def gateway_argv(
         model = httpx.get(workers[0] + "/v1/models", timeout=10.0).json()["data"][0]["id"]
         argv += ["--model-alias", f"default={model}"]
     return argv
+
+
+def wait_serving(url: str, timeout_s: float = 60.0) -> None:
+    """Until the gateway lists a model: it answers /health before it has registered its
+    workers, and a request before that is refused (503 "No models available")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2.0).json().get("data"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"gateway at {url} listed no model within {timeout_s:g} s")

@@ -44,7 +44,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.gateways import SMG_PYTHON, gateway_argv  # noqa: E402
+from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
@@ -88,6 +88,8 @@ def one_run(
     with patched_servers(1, model, work, flags) as (engine,):
         port = free_port()
         with spawn(router_argv(args, policy, engine.url, port), port):
+            if policy == GATEWAY:
+                wait_serving(f"http://127.0.0.1:{port}")
             samples: list[float] = []
             stop = threading.Event()
             sampler = threading.Thread(target=running_sampler, args=(engine.url, stop, samples))
