@@ -3,7 +3,10 @@
 The driver plays the shell: a program's next action is its next request if it is acting
 (context grown by its last tool result), or the engine's answer if a request is in flight
 (usage grown by the output); it also cancels held requests, ends programs, ticks, resizes
-replicas and fails / recovers them, with the clock moving forward.
+replicas and fails / recovers them, with the clock moving forward. With sharing on, each
+request also says which shared segments its prompt starts with (an anchor, a round's
+system prompt and scenario): the tiers must count each once per placement, and what they
+hold must still fit.
 """
 
 from __future__ import annotations
@@ -17,13 +20,18 @@ from router.policy.base import Policy
 from router.policy.baselines import ThunderAgentPolicy
 from router.policy.continuum import ContinuumPolicy
 from router.policy.mori_paper import MoriPaperPolicy
-from router.policy.types import WAITING, Placement, ReplicaCapacity, Status, Tier
+from router.policy.types import WAITING, Placement, ReplicaCapacity, Segment, Status, Tier
 
 REPLICAS = ("r0", "r1", "r2")
 PROGRAMS = 8
 
 tokens = st.integers(min_value=50, max_value=1500)
-act = st.tuples(st.just("act"), st.integers(0, PROGRAMS - 1), st.integers(0, 500))
+act = st.tuples(
+    st.just("act"), st.integers(0, PROGRAMS - 1), st.integers(0, 500), st.integers(0, 3)
+)
+_A1, _A2 = Segment("a1", "sys", 100), Segment("a1/a2", "scenario", 200)
+# what a prompt starts with: nothing, a system prompt, system + scenario, another anchor
+SHARES = ((), (_A1,), (_A1, _A2), (Segment("b1", "anchor", 150),))
 tick = st.tuples(st.just("tick"))
 event = st.one_of(  # repeated branches weigh the traffic that drives the tiers
     act,
@@ -98,8 +106,18 @@ def check_tiers(policy: Policy) -> None:
             assert p.placement == place and policy.programs[p.program_id] is p
             seen[p.program_id] = place
         if place is not WAITING:
-            assert policy.tiers.used(place) == sum(p.context_tokens for p in members)
+            assert policy.tiers.used(place) == deduplicated(members)
     assert set(seen) == set(policy.programs), "a known program is in no tier"
+
+
+def deduplicated(members) -> int:
+    """Tokens the engine holds for `members`: contexts, each shared segment once."""
+    total, seen = 0, set()
+    for p in members:
+        assert sum(s.tokens for s in p.shared) <= p.context_tokens
+        total += p.context_tokens - sum(s.tokens for s in p.shared if s.chain in seen)
+        seen.update(s.chain for s in p.shared)
+    return total
 
 
 def check_after_tick(policy: Policy, now: float) -> None:
@@ -124,7 +142,7 @@ def check_immediate(policy: Policy) -> None:
         assert not (p.pending and fits_somewhere(policy, p)), f"{p.program_id} waits for a tick"
 
 
-def play(policy: Policy, events) -> None:
+def play(policy: Policy, events, sharing: bool = False) -> None:
     for r in REPLICAS:
         policy.add_replica(r, ReplicaCapacity(1000, 1000))
     now = 0.0
@@ -135,6 +153,8 @@ def play(policy: Policy, events) -> None:
             pid = f"p{args[0]}"
             p = policy.programs.get(pid)
             if kind == "act" and (p is None or p.status is Status.ACTING):  # next request
+                if sharing:
+                    policy.on_prompt(pid, SHARES[args[2]])
                 policy.on_request(pid, now, (p.context_tokens if p else 150) + args[1])
             elif kind == "act" and p.status is Status.REASONING:  # the engine answers
                 policy.on_response(pid, now, p.context_tokens + args[1] // 4)
@@ -168,3 +188,31 @@ def play(policy: Policy, events) -> None:
 def test_invariants_hold_over_random_events(name: str, events) -> None:
     # tick_s=0: every driver tick is a full rebalance (mori skips it between periods)
     play(make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0)), events)
+
+
+@pytest.mark.parametrize("name", policy_names())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=scenario)
+def test_invariants_hold_with_shared_segments(name: str, events) -> None:
+    play(make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0)), events, sharing=True)
+
+
+@pytest.mark.parametrize("name", [n for n in policy_names() if make_policy(n).gated])
+def test_demotion_counts_only_what_a_shared_victim_frees(name: str) -> None:
+    """Three programs hold one 300-token segment: used 400 + 100 + 100. When the budget
+    shrinks, a victim frees only its own 100 tokens while another member keeps the segment;
+    counting its whole context as freed would stop the demotion over budget."""
+    policy = make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0))
+    policy.add_replica("r0", ReplicaCapacity(2000, 1000))
+    shared = (Segment("s", "scenario", 300),)
+    for i, now in enumerate((1.0, 1.1, 1.2)):
+        policy.on_prompt(f"p{i}", shared)
+        policy.on_request(f"p{i}", now, 400)
+    for i in range(3):
+        policy.on_response(f"p{i}", 2.0, 400)
+    gpu = Placement(Tier.GPU, "r0")
+    assert policy.tiers.used(gpu) == 600  # the segment counted once
+    policy.set_capacity("r0", ReplicaCapacity(350, 1000))
+    policy.tick(3.0)
+    assert policy.tiers.used(gpu) <= 350
+    assert policy.tiers.used(Placement(Tier.CPU, "r0")) <= 1000

@@ -198,7 +198,7 @@ class MoriPaperPolicy(Policy):
         for p in acting:
             if excess <= 0:
                 break
-            excess -= p.context_tokens
+            excess -= self.tiers.freed_by(p)
             moves.append(self._move(p, self._fit_or_waiting(cpu, p), MoveReason.DEMOTE, now))
         reasoning = sorted(
             (p for p in members if p.status is Status.REASONING), key=idleness, reverse=True
@@ -206,7 +206,7 @@ class MoriPaperPolicy(Policy):
         for p in reasoning:
             if excess <= 0:
                 break
-            excess -= p.context_tokens
+            excess -= self.tiers.freed_by(p)
             self._mark_lazy(p, cpu)
         return moves
 
@@ -220,7 +220,7 @@ class MoriPaperPolicy(Policy):
         for p in sorted(self.tiers.members(cpu), key=self._ranking(now), reverse=True):
             if excess <= 0:
                 break
-            excess -= p.context_tokens
+            excess -= self.tiers.freed_by(p)
             moves.append(self._move(p, WAITING, MoveReason.CPU_OVERFLOW, now))
         return moves
 
@@ -420,11 +420,12 @@ class MoriPaperPolicy(Policy):
         chosen = victims.take(replica, p, p.context_tokens - free[replica], aged)
         if not chosen:
             return []
+        freed = sum(self.tiers.freed_by(v) for v in chosen)  # before any of them moves
         moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
         cpu = Placement(Tier.CPU, replica)
         for v in chosen:  # after p left CPU(replica), so its room is usable by victims
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += sum(v.context_tokens for v in chosen) - p.context_tokens
+        free[replica] += freed - p.context_tokens
         return moves
 
 
@@ -464,7 +465,7 @@ class _VictimPool:
             )
             prefix = [0]
             for _, q in ranked:
-                prefix.append(prefix[-1] + q.context_tokens)
+                prefix.append(prefix[-1] + self._policy.tiers.freed_by(q))
             pool = self._pools[replica] = ([q for _, q in ranked], [i for i, _ in ranked], prefix)
             self._start[replica] = 0
         return pool

@@ -312,7 +312,7 @@ class SpaceScheduler(PricedPolicy):
             if freed >= need:
                 break
             chosen.append(q)
-            freed += q.context_tokens
+            freed += self.tiers.freed_by(q)
         return chosen if freed >= need else []
 
     # program events ---------------------------------------------------------------------
