@@ -74,6 +74,15 @@ class PolicyConfig:
     gpu_usage_low: float = 0.6  # ... and at which it shrinks
     reserve_step: float = 0.05  # pool change per update, as a share of the GPU budget
     reserve_max: float = 0.2  # the largest pool, as a share of the GPU budget
+    # mori+tokendance (TokenDance's KV Collector, exact): a round's requests are released
+    # together once every expected member has arrived, or this long after the last one did
+    round_gang_s: float = 0.1
+    # a round that waited this many x the rounds' mean service time may make rounds that
+    # hold GPU room between their own rounds yield it (round-robin at round boundaries)
+    round_yield_x: float = 1.0
+    # a round's agents are placed on one replica when they share at least this share of
+    # their contexts (segments another member holds too); else one by one, as MORI would
+    round_share_min: float = 0.25
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}

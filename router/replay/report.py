@@ -38,6 +38,10 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("app_e2e_mean_s", "app e2e mean", "{:.1f}"),
     ("app_e2e_p99_s", "app e2e p99", "{:.1f}"),
     ("abnormal_agents", "abnormal agents", "{:d}"),
+    # All-Gather rounds (TokenDance): round latency, and KV stored per live agent
+    ("round_latency_mean_s", "round mean", "{:.2f}"),
+    ("round_latency_p99_s", "round p99", "{:.2f}"),
+    ("kv_tokens_per_agent", "KV/agent", "{:.0f}"),
 ]
 # The default table fits 80 columns: throughput, TTFT, KV use and where prompts were found.
 NARROW = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "gpu_util", "hit_device", "miss")

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from statistics import fmean
 
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
@@ -40,6 +41,7 @@ from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
 from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedPrefix
 from router.sim.presets import Preset, get_preset
+from router.sim.segments import PromptBlocks
 
 # The recompute price a policy starts from: a typical agent step prefills a few thousand
 # new tokens on top of tens of thousands cached (then it learns the engine's real price).
@@ -146,6 +148,8 @@ class Simulation:
         self.clients: dict[str, _Client] = {}  # live program instances by pid
         self.handoffs = HandOffs()  # steps of a task that other programs' steps wait for
         self.warms: Counter[str] = Counter()  # warm-up outcomes (engine answers)
+        self._kv_samples: list[float] = []  # stored KV tokens per live agent, each tick
+        self.blocks = PromptBlocks()  # named prompt blocks of every live program instance
         self._build_policy_and_engines()
         self._observe = getattr(self.policy, "observe", None)  # runtime-layer policies only
         self._actions = getattr(self.policy, "runtime_actions", None)
@@ -209,6 +213,7 @@ class Simulation:
             if kind == _ENGINE:
                 self._on_engine(payload)  # type: ignore[arg-type]
             elif kind == _TICK:
+                self._sample_kv()
                 self._policy_call(self.policy.tick(t))
                 self._push(t + self.policy.config.tick_s, _TICK, None)
             elif kind == _WAKE:
@@ -268,6 +273,7 @@ class Simulation:
             cpu_ratio=cfg.cpu_ratio,
             gpu_util=gpu_util,
             extra=extra,
+            kv_tokens_per_agent=fmean(self._kv_samples) if self._kv_samples else 0.0,
         )
 
     def _schedule_arrivals(self, rate: float) -> None:
@@ -288,6 +294,12 @@ class Simulation:
             "tasks_in_flight_mean": round(self._tasks_area / end, 2),
             "tasks_unfinished": self.tasks_live + self._arrivals_left,
         }
+
+    def _sample_kv(self) -> None:
+        """KV stored on every replica (both tiers, each token once) per live agent."""
+        if self.clients:
+            stored = sum(e.tree.stored_tokens() for e in self.engines.values())
+            self._kv_samples.append(stored / len(self.clients))
 
     def _account_util(self, t: float) -> None:
         if t > self._util_t:
@@ -344,6 +356,9 @@ class Simulation:
                     app=program.app,
                 )
             )
+        round_id = f"{client.session}/{step.round}" if step.round else None
+        segments = self.blocks.advance(client.pid, client.program, step, client.session)
+        self.policy.on_prompt(client.pid, segments, round_id)
         self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
         self.gated[client.pid] = req
         self._release_gated()
@@ -372,6 +387,7 @@ class Simulation:
                         program.anchor_tokens,
                         program.inherit_tokens,
                         req.client.parent,
+                        self.blocks.chain(pid),
                     ),
                 )
                 self._schedule_engine(replica)
@@ -450,6 +466,7 @@ class Simulation:
                 session=client.session,
                 agent=client.program.agent,
                 last=client.step + 1 == len(client.program.steps),
+                round=f"{client.session}/{st.round}" if st.round else None,
             )
         )
         usage = st.input_tokens + st.output_tokens if ev.ok else None
@@ -468,6 +485,7 @@ class Simulation:
             return
         self._policy_call(self.policy.end(client.pid, self.now))
         self.clients.pop(client.pid, None)
+        self.blocks.forget(client.pid)
         if client.session == client.pid:
             self.handoffs.end(client.session)
         if client.program.parent_id is None:
