@@ -265,9 +265,7 @@ class KVTree:
     def _unshared_dev(path: list[Node], base: list[Node], pid: str) -> int:
         """Device tokens of the program's own path that a base from elsewhere drops."""
         keep = set(base)
-        return sum(
-            n.dev for n in path if n not in keep and n.users == {pid} and n.anchor is None
-        )
+        return sum(n.dev for n in path if n not in keep and n.users == {pid} and n.anchor is None)
 
     def _prefix_path(
         self, prefix: SharedPrefix | None, prompt: int
