@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import socket
+import time
 
 import httpx
 import pytest
@@ -192,6 +193,32 @@ def test_tool_calls_and_tool_start_reach_the_predictor(predict_base):
     view = httpx.get(predict_base + "/v1/programs/pred-1").json()
     assert view["last_tool"] == "bash:pytest" and view["steps"] == 2  # no new tool call
     assert_clean(predict_base)
+
+
+def test_a_tool_start_that_overtakes_its_answers_report_is_kept():
+    """An agent posts `tool_start` as soon as it has read `[DONE]`, while the engine is
+    still ending its stream (here for 1 s), so before the owner hears the step is over.
+    The tool call must still reach the policy once the step ends, in the program's order
+    (without it the policy dropped it: no forecast, moves priced as recomputes)."""
+    engine = ScriptedReplica(linger_s=1.0)
+    with serve(engine) as url, router([url], policy="mori") as base:
+        for step in range(2):
+            body = {**chat("early", f"s{step}"), "stream": True}
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body) as answer:
+                lines = answer.iter_lines()
+                while next(lines) != "data: [DONE]":
+                    pass
+                hint = {"tool": "bash:pytest", "predict_time": 40}
+                r = httpx.post(base + "/v1/programs/early/tool_start", json=hint)
+                assert r.status_code == 200
+                view = httpx.get(base + "/v1/programs/early").json()
+                assert view["status"] == "reasoning"  # the engine is still ending its stream
+                list(lines)
+            time.sleep(0.2)
+            view = httpx.get(base + "/v1/programs/early").json()
+            assert view["status"] == "acting" and view["last_tool"] == "bash:pytest"
+            assert view["predicted_tool_s"] is not None, "the early tool start was dropped"
+        assert_clean(base)
 
 
 def test_agent_role_is_validated_and_stripped_before_forwarding():

@@ -78,6 +78,25 @@ def drain_after(engine, reqs):
     return drain(engine)
 
 
+def test_a_request_submitted_mid_decode_joins_the_next_iteration():
+    """SGLang's scheduler looks at its waiting queue every iteration: a request that fits
+    is prefilled at the next iteration boundary, not after the running batch's whole decode
+    run (live, a program's busy hint reaches the emulator before its request, so nothing
+    else interrupts the run)."""
+    engine = ReplicaEngine(PRESET, TYPED, 400_000, 0)
+    engine.submit("a", "pa", 8_000, 2_000, 0.0)  # a long decode run
+    events, t = drain(engine, until=1.0)
+    assert any(isinstance(e, FirstToken) and e.rid == "a" for e in events)
+    step = engine.cost.decode_step_s(1, 8_000 + 2_000)
+    engine.submit("b", "pb", 1_000, 10, t + 0.001)
+    nxt = engine.next_event_time()
+    assert nxt is not None and nxt <= t + 0.001 + 2 * step  # the run ends at the next boundary
+    events, _ = drain(engine)
+    first_b = next(e.t for e in events if isinstance(e, FirstToken) and e.rid == "b")
+    done_a = next(e.t for e in events if isinstance(e, Done) and e.rid == "a")
+    assert first_b < t + 0.5 < done_a
+
+
 def test_requests_queue_when_kv_does_not_fit():
     engine = ReplicaEngine(PRESET, TYPED, 30_000, 0)
     engine.submit("a", "pa", 20_000, 500, 0.0)

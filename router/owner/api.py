@@ -98,14 +98,16 @@ def create_app(
             raise ApiError(400, "`predict_time` must be a number of seconds >= 0", "predict_time")
         agent = agent_role(body.get("agent"), request_hints(request.headers, None).agent)
         known(pid)
-        router.apply(router.policy.on_tool_start(pid, router.clock(), tool, agent, predict))
+        router.tool_event(
+            pid, lambda now: router.policy.on_tool_start(pid, now, tool, agent, predict)
+        )
         return {"program_id": pid, "tool": tool}
 
     @app.post("/v1/programs/{program_id:path}/tool_end")
     async def tool_end(request: Request, program_id: str) -> dict[str, Any]:
         pid = program_of(request, program_id)
         known(pid)
-        router.apply(router.policy.on_tool_end(pid, router.clock()))
+        router.tool_event(pid, lambda now: router.policy.on_tool_end(pid, now))
         return {"program_id": pid}
 
     @app.get("/v1/programs")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from router.owner.metrics import RouterMetrics
 from router.owner.reconcile import parse_residency, reconcile
 from router.policy import Policy, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
-from router.policy.types import Hint, Move, ReplicaCapacity, Tier
+from router.policy.types import Hint, Move, ReplicaCapacity, Status, Tier
 from router.protocol.agent_identity import AnchorBook
 from router.wire.upstream import UpstreamError
 
@@ -36,6 +37,9 @@ log = logging.getLogger("mori.router")
 
 DEFAULT_CHARS_PER_TOKEN = 4.0
 EMA_ALPHA = 0.3
+EARLY_EVENTS = 4  # client tool events a program's running step may hold back (the newest)
+
+ToolEvent = Callable[[float], list[Move]]  # a policy call at `now` (on_tool_start, ...)
 
 
 class Router:
@@ -80,6 +84,10 @@ class Router:
         self._fresh_scores: set[str] = set()  # replicas whose scores changed since a push
         self._wakeup: asyncio.TimerHandle | None = None  # the policy's next extra tick
         self._wakeup_at = float("inf")
+        # client tool events that overtook the report of their step's answer (tool_event)
+        self._early: defaultdict[str, deque[ToolEvent]] = defaultdict(
+            lambda: deque(maxlen=EARLY_EVENTS)
+        )
 
     # lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -256,12 +264,37 @@ class Router:
             sample if old is None else EMA_ALPHA * sample + (1 - EMA_ALPHA) * old
         )
 
+    # client tool events -----------------------------------------------------------------
+    def tool_event(self, program_id: str, event: ToolEvent) -> None:
+        """A tool start or end the client told (`POST /v1/programs/{id}/tool_start`), in
+        the program's own order.
+
+        An agent posts it as soon as it has read its answer, which can be before the
+        worker's report of that answer reaches the owner (the worker reports once the
+        engine's stream has closed, and on a link that batches reports). The policy
+        records a tool call only for an ACTING program, so such an event was dropped:
+        live, 15-42 % of tool starts, and moves were then priced without the tool's
+        duration. One that overtakes its step is held until the step's response
+        (`step_ended`) instead."""
+        p = self.policy.programs.get(program_id)
+        if p is not None and p.status is Status.REASONING:
+            self._early[program_id].append(event)
+            return
+        self.apply(event(self.clock()))
+
+    def step_ended(self, program_id: str) -> None:
+        """After `on_response`: the client's tool events that overtook it, in order."""
+        events = self._early.pop(program_id, None)
+        for event in events or ():
+            self.apply(event(self.clock()))
+
     def end_program(self, program_id: str) -> bool:
         """Forget the program; a request of it held at the gate is answered at once."""
         if program_id not in self.policy.programs:
             return False
         self.apply(self.policy.end(program_id, self.clock()))
         self.gate.end(program_id)
+        self._early.pop(program_id, None)
         self._chars_per_token.pop(program_id, None)
         return True
 

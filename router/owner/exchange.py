@@ -100,6 +100,7 @@ class Exchange:
                 r.apply(policy.on_response(pid, now, usage.context_tokens))
                 if usage.tool:
                     r.apply(policy.on_tool_start(pid, now, usage.tool, agent=self.ticket.agent))
+                r.step_ended(pid)
             if outcome.retry is None:
                 self.status = outcome.status
                 return

@@ -256,6 +256,7 @@ class ReplicaEngine:
             self._finish(req, now, ok=False)
             return
         self._queue.append(req)
+        self._interrupt(now)  # SGLang's scheduler looks at its waiting queue every iteration
         self._kick(now)
 
     def advance(self, now: float) -> list[EngineEvent]:
