@@ -14,6 +14,7 @@ context as needed under-fills (safe).
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -88,8 +89,9 @@ class Tiers:
 
     def share(self, program: Program, segments: Sequence[Segment]) -> None:
         """The leading segments of the program's context that others may hold too (chain
-        order; cut where they would exceed its context)."""
-        self._reaccount(program, lambda: setattr(program, "shared", tuple(segments)))
+        order; cut where they would exceed its context), in runs (`coarsen`)."""
+        runs = coarsen(segments)
+        self._reaccount(program, lambda: setattr(program, "shared", runs))
 
     # shared segments ---------------------------------------------------------------
     def freed_by(self, program: Program) -> int:
@@ -144,6 +146,26 @@ class Tiers:
             else:
                 del holders[s.chain]
         self._used[place] -= freed
+
+
+RUN_MASK = 0xF  # a run ends at a segment whose chain id's CRC-32 is 0 here: ~16 segments a run
+
+
+def coarsen(segments: Sequence[Segment]) -> tuple[Segment, ...]:
+    """Consecutive segments merged into runs, for accounting in O(runs) per move: a run is
+    named by the chain id of its last segment (so equal runs are an equal prefix) and ends
+    where the content says (a segment whose chain id's CRC-32 is 0 under `RUN_MASK`: the same
+    boundaries in every prompt that shares the prefix), after the first segment (a system
+    prompt, shared most widely), and at the end. A prefix two programs share is counted
+    once up to its last run boundary."""
+    runs: list[Segment] = []
+    tokens = 0
+    for i, s in enumerate(segments):
+        tokens += s.tokens
+        if i == 0 or i == len(segments) - 1 or zlib.crc32(s.chain.encode()) & RUN_MASK == 0:
+            runs.append(Segment(s.chain, s.content, tokens))
+            tokens = 0
+    return tuple(runs)
 
 
 def _within(segments: tuple[Segment, ...], tokens: int) -> tuple[Segment, ...]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from router.policy.types import Hint
@@ -458,9 +458,10 @@ class KVTree:
         self.host_used += tokens - node.host
         node.host = tokens
 
-    def stored_tokens(self) -> int:
-        """Distinct tokens held on either tier (a token on device and host counts once)."""
-        return sum(max(n.dev, n.host) for n in self.nodes)
+    def stored_tokens(self, live: Container[str]) -> int:
+        """Distinct tokens of `live` programs' contexts held on either tier (a token on
+        device and host counts once, a segment they share once)."""
+        return sum(max(n.dev, n.host) for n in self.nodes if any(u in live for u in n.users))
 
     # ranking --------------------------------------------------------------------------
     def rank(self, node: Node) -> int:

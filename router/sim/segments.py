@@ -72,6 +72,10 @@ class PromptBlocks:
             return (Segment(f"{key}:{anchor}", key, anchor),)
         return ()
 
+    def current(self, pid: str) -> tuple[Segment, ...]:
+        """The named blocks of the program's current prompt."""
+        return tuple(self._of.get(pid, ()))
+
     def chain(self, pid: str) -> tuple[tuple[str, int], ...]:
         """(chain id, end offset) of every named block of the program's prompt (engine)."""
         out, end = [], 0

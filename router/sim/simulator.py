@@ -39,6 +39,7 @@ from router.policy.types import ReplicaCapacity
 from router.replay.corpus import ClosedLoopCorpus, HandOffs
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
+from router.sim.approx import ApproxReuse, ApproxStore
 from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedPrefix
 from router.sim.presets import Preset, get_preset
 from router.sim.segments import PromptBlocks
@@ -71,6 +72,9 @@ class SimConfig:
     # open loop: tasks per second, Poisson (Tokencake §7.1); None: `concurrency` closed-loop
     # clients. The run then continues until every task that arrived is answered.
     arrival_rate: float | None = None
+    # TokenDance's approximate reuse of gathered blocks, modelled (router.sim.approx); None:
+    # exact, what SGLang does
+    approx: ApproxReuse | None = None
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # fail early with the list of known presets
@@ -150,6 +154,7 @@ class Simulation:
         self.warms: Counter[str] = Counter()  # warm-up outcomes (engine answers)
         self._kv_samples: list[float] = []  # stored KV tokens per live agent, each tick
         self.blocks = PromptBlocks()  # named prompt blocks of every live program instance
+        self.approx = ApproxStore(config.approx) if config.approx is not None else None
         self._build_policy_and_engines()
         self._observe = getattr(self.policy, "observe", None)  # runtime-layer policies only
         self._actions = getattr(self.policy, "runtime_actions", None)
@@ -261,6 +266,7 @@ class Simulation:
                 max((end - r.arrival for r in self.gated.values()), default=0.0), 3
             ),
             "failed_steps": sum(not r.ok for r in self.records),
+            **self._approx_stats(),
             "sim_wall_s": round(wall, 3),
         }
         return summarize(
@@ -275,6 +281,17 @@ class Simulation:
             extra=extra,
             kv_tokens_per_agent=fmean(self._kv_samples) if self._kv_samples else 0.0,
         )
+
+    def _approx_stats(self) -> dict:
+        if self.approx is None:
+            return {}
+        reuse = self.approx.reuse
+        return {
+            "approx_diff_share": round(reuse.diff_share, 4),
+            "approx_recompute_share": round(reuse.recompute_share, 4),
+            "approx_restore_ms": round(reuse.restore_s * 1e3, 3),
+            "approx_mirrored_tokens": self.approx.mirrored_tokens,
+        }
 
     def _schedule_arrivals(self, rate: float) -> None:
         """Open loop (Tokencake §7.1): tasks arrive as a Poisson process of `rate` per
@@ -296,9 +313,10 @@ class Simulation:
         }
 
     def _sample_kv(self) -> None:
-        """KV stored on every replica (both tiers, each token once) per live agent."""
+        """KV of the live agents stored on every replica (both tiers, each token once) per
+        live agent."""
         if self.clients:
-            stored = sum(e.tree.stored_tokens() for e in self.engines.values())
+            stored = sum(e.tree.stored_tokens(self.clients) for e in self.engines.values())
             self._kv_samples.append(stored / len(self.clients))
 
     def _account_util(self, t: float) -> None:
@@ -358,6 +376,8 @@ class Simulation:
             )
         round_id = f"{client.session}/{step.round}" if step.round else None
         segments = self.blocks.advance(client.pid, client.program, step, client.session)
+        if self.approx is not None:
+            self.approx.arrive(client.pid, segments, step.reused_tokens)
         self.policy.on_prompt(client.pid, segments, round_id)
         self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
         self.gated[client.pid] = req
@@ -375,22 +395,39 @@ class Simulation:
                 self.inflight[req.rid] = req
                 st, program = req.step, req.client.program
                 engine = self.engines[replica]
+                prompt, reused, chain, extra_s = self._engine_terms(pid, replica, st, engine)
                 engine.submit(
                     req.rid,
                     pid,
-                    st.input_tokens,
+                    prompt,
                     st.output_tokens,
                     self.now,
-                    reused_tokens=st.reused_tokens,
+                    reused_tokens=reused,
                     prefix=SharedPrefix.of_program(
                         program.agent,
                         program.anchor_tokens,
                         program.inherit_tokens,
                         req.client.parent,
-                        self.blocks.chain(pid),
+                        chain,
                     ),
+                    extra_prefill_s=extra_s,
                 )
                 self._schedule_engine(replica)
+
+    def _engine_terms(
+        self, pid: str, replica: str, step: TraceStep, engine: ReplicaEngine
+    ) -> tuple[int, int, tuple[tuple[str, int], ...], float]:
+        """(prompt, reused, named blocks, extra prefill s) the engine is handed: the step's
+        own, or with approximate reuse modelled, its compressed terms."""
+        chain = self.blocks.chain(pid)
+        if self.approx is None:
+            return step.input_tokens, step.reused_tokens, chain, 0.0
+        prompt, reused, recompute = self.approx.forward(
+            pid, replica, self.blocks.current(pid), step.input_tokens, step.reused_tokens
+        )
+        exact = self.approx.exact_until(pid)
+        extra = engine.cost.prefill_s(recompute, reused) + self.approx.restore_s(recompute)
+        return prompt, reused, tuple(c for c in chain if c[1] <= exact), extra
 
     def _policy_call(self, moves: list) -> None:
         """After every policy call: count moves, push hints, release what the moves allow."""
@@ -486,6 +523,8 @@ class Simulation:
         self._policy_call(self.policy.end(client.pid, self.now))
         self.clients.pop(client.pid, None)
         self.blocks.forget(client.pid)
+        if self.approx is not None:
+            self.approx.forget(client.pid)
         if client.session == client.pid:
             self.handoffs.end(client.session)
         if client.program.parent_id is None:
