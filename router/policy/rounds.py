@@ -122,6 +122,13 @@ class Rounds:
             self._unref(round_id, program_id)
 
     # reading -------------------------------------------------------------------------
+    def live(self) -> dict[str, list[str]]:
+        """Rounds that are two or more programs' current round, with those programs."""
+        out: dict[str, list[str]] = {}
+        for pid, round_id in self.current.items():
+            out.setdefault(round_id, []).append(pid)
+        return {r: pids for r, pids in out.items() if len(pids) > 1}
+
     def round_of(self, program_id: str) -> Round | None:
         round_id = self.current.get(program_id)
         return self.rounds.get(round_id) if round_id is not None else None

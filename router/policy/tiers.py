@@ -149,20 +149,23 @@ class Tiers:
 
 
 RUN_MASK = 0xF  # a run ends at a segment whose chain id's CRC-32 is 0 here: ~16 segments a run
+SINGLE = 8  # the first segments are runs of their own (tools, system prompt, scenario...)
 
 
 def coarsen(segments: Sequence[Segment]) -> tuple[Segment, ...]:
     """Consecutive segments merged into runs, for accounting in O(runs) per move: a run is
     named by the chain id of its last segment (so equal runs are an equal prefix) and ends
     where the content says (a segment whose chain id's CRC-32 is 0 under `RUN_MASK`: the same
-    boundaries in every prompt that shares the prefix), after the first segment (a system
-    prompt, shared most widely), and at the end. A prefix two programs share is counted
-    once up to its last run boundary."""
+    boundaries in every prompt that shares the prefix), after each of the first `SINGLE`
+    segments (the tools, system prompt and scenario a prompt starts with are what is shared
+    most), and at the end. A prefix two programs share is counted once up to its last run
+    boundary."""
     runs: list[Segment] = []
     tokens = 0
     for i, s in enumerate(segments):
         tokens += s.tokens
-        if i == 0 or i == len(segments) - 1 or zlib.crc32(s.chain.encode()) & RUN_MASK == 0:
+        last = i == len(segments) - 1
+        if i < SINGLE or last or zlib.crc32(s.chain.encode()) & RUN_MASK == 0:
             runs.append(Segment(s.chain, s.content, tokens))
             tokens = 0
     return tuple(runs)

@@ -143,7 +143,10 @@ class TokenDancePolicy(MoriPolicy):
 
     # the collective pass -----------------------------------------------------------------
     def _complete(self, rnd: Round) -> bool:
-        return self.rounds.expected(rnd) <= set(rnd.members)
+        """Every expected member has arrived; a round none of whose members ran before
+        (its size unknown) is complete only when its wait is up."""
+        known = any(pid in self.rounds.previous for pid in rnd.members)
+        return known and self.rounds.expected(rnd) <= set(rnd.members)
 
     def _ready(self, now: float) -> list[tuple[str, _Held, list[Program]]]:
         """Held rounds whose members are all here (or whose wait is up), oldest first;
@@ -236,8 +239,10 @@ class TokenDancePolicy(MoriPolicy):
         replicas = [r for r in self.tiers.replicas() if r not in blocked]
         if not movable or not replicas:
             return {}
-        if self._shares_enough(members):
-            return {self._plan(movable, replicas): movable}
+        rnd = self.rounds.round_of(movable[0].program_id)
+        whole = [self.programs[q] for q in (rnd.members if rnd else ()) if q in self.programs]
+        if self._shares_enough(whole or members):
+            return {self._plan(whole or movable, movable, replicas): movable}
         out: dict[str, list[Program]] = {}
         for p in movable:
             if p.placement.tier is Tier.CPU:
@@ -260,12 +265,13 @@ class TokenDancePolicy(MoriPolicy):
         common = sum(s.tokens for p in members for s in p.shared if held[s.chain] > 1)
         return common / total >= self.config.round_share_min
 
-    def _plan(self, members: list[Program], replicas: list[str]) -> str:
-        """The replica for a round placed together: the one holding most of the round (its
-        KV) if it fits there, else the tightest fit, else the roomiest."""
+    def _plan(self, whole: list[Program], members: list[Program], replicas: list[str]) -> str:
+        """The replica for `members` of a round placed together: the one holding most of
+        the round (`whole`: its KV, its members already placed) if they fit there, else the
+        tightest fit, else the roomiest."""
         home = Counter(
             p.placement.replica or p.last_replica
-            for p in members
+            for p in whole
             if (p.placement.replica or p.last_replica) in replicas
         )
         needs = {r: _need(members, r, self) for r in replicas}
