@@ -82,7 +82,7 @@ class PolicyConfig:
     round_yield_x: float = 1.0
     # a round's agents are placed on one replica when they share at least this share of
     # their contexts (segments another member holds too); else one by one, as MORI would
-    round_share_min: float = 0.25
+    round_share_min: float = 0.5
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}

@@ -69,6 +69,8 @@ class TokenDancePolicy(MoriPolicy):
         self._gang: dict[str, str] = {}  # program held by a round -> the round
         self._running: dict[str, tuple[float, set[str]]] = {}  # round -> (released, left)
         self.service_s = DEFAULT_SERVICE_S  # EWMA: a round's release to its last answer
+        self._ended: dict[str, float] = {}  # round -> its last answer (until the next opens)
+        self.gap_s = 0.0  # EWMA: a round's last answer to its agents' next round
         self._group: dict[str, str] = {}  # program -> its group (keeps shared segments)
         self._group_on: dict[str, str] = {}  # program -> the replica its group was pushed to
         self._scores_due: set[str] = set()  # replicas whose group scores changed
@@ -80,11 +82,21 @@ class TokenDancePolicy(MoriPolicy):
         rnd = self.rounds.round_of(p.program_id)
         if rnd is None or not self._collective(rnd):
             return super()._admit(p, now)
+        if rnd.round_id not in self._held_rounds:
+            self._note_gap(p.program_id, now)
         held = self._held_rounds.setdefault(rnd.round_id, _Held(now, now))
         held.last_s = now
         held.pids[p.program_id] = None
         self._gang[p.program_id] = rnd.round_id
         return self._schedule(now)
+
+    def _note_gap(self, program_id: str, now: float) -> None:
+        """A round opens: the time since its agents' previous round ended is one more sample
+        of the application's gap between rounds (the gather itself, its world step)."""
+        prev = self.rounds.previous.get(program_id)
+        ended = self._ended.pop(prev, None) if prev is not None else None
+        if ended is not None:
+            self.gap_s = SERVICE_ALPHA * (now - ended) + (1 - SERVICE_ALPHA) * self.gap_s
 
     def _collective(self, rnd: Round) -> bool:
         """Rounds the application names, and inferred ones with two or more agents."""
@@ -106,6 +118,7 @@ class TokenDancePolicy(MoriPolicy):
                 del self._running[rnd]  # type: ignore[arg-type]
                 a = SERVICE_ALPHA
                 self.service_s = a * (now - running[0]) + (1 - a) * self.service_s
+                self._ended[rnd] = now  # type: ignore[index]
         return super().on_response(program_id, now, context_tokens)
 
     def _after_response(self, p: Program, now: float) -> list[Move]:
@@ -118,6 +131,9 @@ class TokenDancePolicy(MoriPolicy):
         for _, left in self._running.values():
             left.discard(program_id)
         moves = super().end(program_id, now, reason)
+        for book in (self._running, self._ended):  # rounds nobody is in any more
+            for round_id in [r for r in book if r not in self.rounds.rounds]:
+                del book[round_id]
         return moves + self._schedule(now)
 
     def cancel(self, program_id: str, now: float) -> list[Move]:
@@ -244,16 +260,16 @@ class TokenDancePolicy(MoriPolicy):
         if self._shares_enough(whole or members):
             return {self._plan(whole or movable, movable, replicas): movable}
         out: dict[str, list[Program]] = {}
-        for p in movable:
+        free = {r: self._free(r) for r in replicas}
+        for p in sorted(movable, key=lambda p: -p.context_tokens):  # decreasing, as BFD
             if p.placement.tier is Tier.CPU:
                 r = p.placement.replica
-            elif p.last_replica in replicas and _need([p], p.last_replica, self) <= self._free(
-                p.last_replica
-            ):
+            elif p.last_replica in free and p.context_tokens <= free[p.last_replica]:
                 r = p.last_replica
             else:
-                r = max(replicas, key=self._free)
-            if r in replicas:
+                r = max(free, key=free.__getitem__)
+            if r in free:
+                free[r] -= p.context_tokens  # type: ignore[index]
                 out.setdefault(r, []).append(p)  # type: ignore[arg-type]
         return out
 
@@ -322,13 +338,16 @@ class TokenDancePolicy(MoriPolicy):
     def _expected_back_s(self, q: Program, now: float) -> float:
         """Seconds until an ACTING program's next request: the end of its round (its agents
         all come back when the last one answers; a round with requests still held has a
-        whole service time to go), else MORI's forecast."""
+        whole service time to go) plus the app's gap between rounds, else MORI's forecast."""
         round_id = self.rounds.current.get(q.program_id)
         if round_id in self._held_rounds:  # back only after its held peers have run
             return self.service_s
         running = self._running.get(round_id) if round_id is not None else None
         if running is not None:
             return max(0.0, running[0] + self.service_s - now)
+        ended = self._ended.get(round_id) if round_id is not None else None
+        if ended is not None:  # its round is over: back after the app's gap between rounds
+            return max(0.0, ended + self.gap_s - now)
         return self.expected_idle_s(q, now)
 
     def _place(self, movable: list[Program], replica: str, now: float) -> list[Move]:
