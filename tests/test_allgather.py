@@ -178,3 +178,17 @@ def test_every_report_carries_round_latency_and_kv_per_agent():
         assert r.kv_tokens_per_agent > 0
     assert approx.kv_tokens_per_agent < exact.kv_tokens_per_agent
     assert approx.extra["approx_mirrored_tokens"] > 0 and "approx_diff_share" not in exact.extra
+
+
+def test_a_live_replay_renders_a_block_as_the_same_text_in_every_prompt():
+    from router.replay.prompts import Conversation, count_tokens, render_chat
+
+    a, b = Conversation("a", seed=1), Conversation("b", seed=1)
+    shared = [("t/@sys", 40), ("t/answer/0/0", 12)]
+    ma = a.next_messages(70, 0, [*shared, ("t/persona/a", 10)])
+    mb = b.next_messages(90, 0, [*shared, ("t/persona/b", 30)])
+    assert ma[:2] == mb[:2] and ma[2] != mb[2]  # the same blocks, then private text
+    assert count_tokens(render_chat(ma)) == 70 and count_tokens(render_chat(mb)) == 90
+    a.record_answer("x " * 8)  # the next prompt: the whole history, then one more block
+    more = a.next_messages(100, 74, [*shared, ("t/persona/a", 10), ("t/answer/1/0", 20)])
+    assert more[: len(ma) + 1] == [*ma, {"role": "assistant", "content": "x " * 8}]
