@@ -11,6 +11,8 @@ hold must still fit.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,6 +22,7 @@ from router.policy.base import Policy
 from router.policy.baselines import ThunderAgentPolicy
 from router.policy.continuum import ContinuumPolicy
 from router.policy.mori_paper import MoriPaperPolicy
+from router.policy.runtime import AgentEvent, EventKind
 from router.policy.types import WAITING, Placement, ReplicaCapacity, Segment, Status, Tier
 
 REPLICAS = ("r0", "r1", "r2")
@@ -108,6 +111,28 @@ def check_tiers(policy: Policy) -> None:
         if place is not WAITING:
             assert policy.tiers.used(place) == deduplicated(members)
     assert set(seen) == set(policy.programs), "a known program is in no tier"
+
+
+def random_load_moves(policy: Policy, seed: int) -> list[tuple]:
+    """The moves a seeded random load makes (24 programs, 400 events, a tick every ten;
+    each request announced to a runtime-layer policy first): two policies that should
+    agree on it are compared move for move."""
+    rng = random.Random(seed)
+    log, busy = [], {}
+    for k in range(400):
+        now = k * 0.5
+        pid = f"p{rng.randrange(24)}"
+        if pid in busy:
+            if policy.route(pid) is not None:
+                log += policy.on_response(pid, now, busy.pop(pid))
+        else:
+            tokens = rng.randrange(200, 1200)
+            getattr(policy, "observe", print)(AgentEvent(EventKind.REQUEST, now, pid, "r"))
+            log += policy.on_request(pid, now, tokens)
+            busy[pid] = tokens + 50
+        if k % 10 == 0:
+            log += policy.tick(now)
+    return [(m.program_id, m.src, m.dst, m.reason) for m in log]
 
 
 def deduplicated(members) -> int:

@@ -4,8 +4,6 @@ policy is `mori`, move for move; the tiers' invariants hold with rounds."""
 
 from __future__ import annotations
 
-import random
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +11,7 @@ from router.policy import PolicyConfig, make_policy
 from router.policy.rounds import Rounds
 from router.policy.runtime import PushScores
 from router.policy.types import Placement, ReplicaCapacity, Segment, Tier
-from tests.test_policy_properties import check_after_tick, check_tiers
+from tests.test_policy_properties import check_after_tick, check_tiers, random_load_moves
 
 SYS = Segment("c-sys", "sys", 600)
 
@@ -148,26 +146,12 @@ def check_tiers_fit(p) -> None:
         assert p.tiers.used(gpu) <= p.tiers.budget(gpu)
 
 
+NAMES = ("mori", "mori+tokendance")
+
+
 def test_without_rounds_the_moves_are_moris():
     """The same random load (no rounds, no segments) through both: identical moves."""
-    runs = []
-    for name in ("mori", "mori+tokendance"):
-        rng = random.Random(3)
-        p = policy(name, replicas=2, gpu=3_000)
-        log, busy = [], {}
-        for k in range(400):
-            now = k * 0.5
-            pid = f"p{rng.randrange(24)}"
-            if pid in busy:
-                if p.route(pid) is not None:
-                    log += p.on_response(pid, now, busy.pop(pid))
-            else:
-                tokens = rng.randrange(200, 1200)
-                log += p.on_request(pid, now, tokens)
-                busy[pid] = tokens + 50
-            if k % 10 == 0:
-                log += p.tick(now)
-        runs.append([(m.program_id, m.src, m.dst, m.reason) for m in log])
+    runs = [random_load_moves(policy(name, replicas=2, gpu=3_000), 3) for name in NAMES]
     assert runs[0] == runs[1] and len(runs[0]) > 50
 
 

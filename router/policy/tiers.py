@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from router.policy.program import Program
 from router.policy.types import WAITING, Placement, ReplicaCapacity, Segment, Tier
@@ -110,6 +110,17 @@ class Tiers:
         if program.placement == place or holders is None:
             return program.context_tokens
         return program.context_tokens - sum(s.tokens for s in program.shared if holders[s.chain])
+
+    def enough(self, victims: Iterable[Program], tokens: int) -> list[Program]:
+        """The first `victims` (in order) whose leaving frees `tokens`, or [] if all of
+        them would not (a partial move would be churn for nothing)."""
+        chosen, freed = [], 0
+        for q in victims:
+            if freed >= tokens:
+                break
+            chosen.append(q)
+            freed += self.freed_by(q)
+        return chosen if freed >= tokens else []
 
     def holders(self, place: Placement, chain: str) -> int:
         """How many programs of `place` hold the segment `chain`."""

@@ -322,14 +322,7 @@ class TokenDancePolicy(MoriPolicy):
                 priced.append((idle, q))
         order = [q for _, q in sorted(priced, key=lambda e: -e[0])]
         order += [q for q in younger if q.placement == gpu and q.status is Status.GATED]
-        chosen, freed = [], 0
-        for q in order:
-            if freed >= short:
-                break
-            chosen.append(q)
-            freed += self.tiers.freed_by(q)
-        if freed < short:
-            return []
+        chosen = self.tiers.enough(order, short)
         self.collective["displaced"] += sum(not q.pending for q in chosen)
         self.collective["yielded"] += sum(q.pending for q in chosen)
         cpu = Placement(Tier.CPU, replica)
