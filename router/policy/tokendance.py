@@ -261,17 +261,30 @@ class TokenDancePolicy(MoriPolicy):
             return {self._plan(whole or movable, movable, replicas): movable}
         out: dict[str, list[Program]] = {}
         free = {r: self._free(r) for r in replicas}
+        agents = {r: self.tiers.count(Placement(Tier.GPU, r)) for r in replicas}
         for p in sorted(movable, key=lambda p: -p.context_tokens):  # decreasing, as BFD
             if p.placement.tier is Tier.CPU:
                 r = p.placement.replica
             elif p.last_replica in free and p.context_tokens <= free[p.last_replica]:
                 r = p.last_replica
             else:
-                r = max(free, key=free.__getitem__)
+                r = self._spread(p, free, agents)
             if r in free:
                 free[r] -= p.context_tokens  # type: ignore[index]
+                agents[r] += 1  # type: ignore[index]
                 out.setdefault(r, []).append(p)  # type: ignore[arg-type]
         return out
+
+    @staticmethod
+    def _spread(p: Program, free: dict[str, int], agents: dict[str, int]) -> str:
+        """A new agent of a round goes where the fewest agents run, among the replicas it
+        fits (else the roomiest): a round's agents grow alike, so counts balance the
+        replicas' future load where free room only shows the present (a task that is
+        ending holds room for a moment and would send a whole new round elsewhere)."""
+        fits = [r for r in free if p.context_tokens <= free[r]]
+        if not fits:
+            return max(free, key=free.__getitem__)
+        return min(fits, key=lambda r: (agents[r], -free[r]))
 
     def _shares_enough(self, members: list[Program]) -> bool:
         """The round's members hold, on average, `round_share_min` of their contexts in
