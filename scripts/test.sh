@@ -3,7 +3,10 @@
 # Installs what the suite needs, then runs it. CPU only; never pulls CUDA torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e '.[test]'
+# The kernels extra: torch==2.13.0 resolves to the CPU wheel on disk (+cpu sorts above PyPI's),
+# triton for its CPU interpreter. Fail here, not in the tests, if CUDA torch slipped in.
+python3 -m pip install -q -e '.[test,kernels]'
+python3 -c 'import torch; assert torch.version.cuda is None, f"CUDA torch: {torch.__version__}"'
 # The real engine for the -m sglang tests: MORI_SGLANG_VERSION, default the newest supported line.
 [[ "${MORI_SKIP_SGLANG:-0}" == 1 ]] || scripts/install_sglang_cpu.sh
 # docker-compose 1.29 (Debian) validates the compose files in tests/test_deploy.py; no engine needed.

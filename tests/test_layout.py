@@ -154,9 +154,12 @@ def _named_paths() -> Iterator[tuple[str, str]]:
 
 
 def _exists(path: str) -> bool:
-    """A path, or a glob pattern or placeholder that matches at least one file."""
-    if "*" in path or "<" in path:
-        return any(REPO.glob(re.sub(r"<[^>]*>", "*", path)))
+    """A path; a glob pattern that matches at least one file; a placeholder (`<date>`,
+    a file a command writes) whose folder exists."""
+    if "<" in path:
+        return (REPO / path).parent.is_dir()
+    if "*" in path:
+        return any(REPO.glob(path))
     return (REPO / path).exists()
 
 

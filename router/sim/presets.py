@@ -33,6 +33,9 @@ class GPU:
     hbm_bytes_s: float  # peak HBM bandwidth
     bf16_flops: float  # dense (non-sparse) BF16 tensor-core peak
     pcie_bytes_s: float  # achieved host<->device copy bandwidth per GPU (pinned memory)
+    # Where pcie_bytes_s comes from: "estimate: ..." until bench/kernels.py has timed the
+    # KV reload on this GPU; `python bench/kernels.py --write-preset` rewrites both fields.
+    pcie_source: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,10 @@ class Preset:
 # PCIe Gen5 x16 is 64 GB/s per direction on paper; pinned-memory cudaMemcpy reaches
 # ~50 GB/s (nvbandwidth host_to_device on H100 SXM hosts), which HiCache's kernels approach.
 _PCIE5_BYTES_S = 50e9
+_PCIE5_SOURCE = (
+    "estimate: PCIe Gen5 x16 pinned cudaMemcpy (~50 of 64 GB/s, nvbandwidth host_to_device on "
+    "H100 SXM hosts); the KV reload has not been timed on this GPU by bench/kernels.py"
+)
 
 H100_80GB = GPU(
     name="H100-SXM-80GB",
@@ -113,6 +120,7 @@ H100_80GB = GPU(
     hbm_bytes_s=3.35e12,  # H100 SXM data sheet: 3.35 TB/s HBM3
     bf16_flops=989e12,  # H100 SXM data sheet: 1979 TFLOPS BF16 with sparsity -> 989 dense
     pcie_bytes_s=_PCIE5_BYTES_S,
+    pcie_source=_PCIE5_SOURCE,
 )
 H200 = GPU(
     name="H200-SXM-141GB",
@@ -120,6 +128,7 @@ H200 = GPU(
     hbm_bytes_s=4.8e12,  # H200 data sheet: 4.8 TB/s HBM3e
     bf16_flops=989e12,  # H200 data sheet: same tensor cores as H100 SXM, 989 TFLOPS dense
     pcie_bytes_s=_PCIE5_BYTES_S,
+    pcie_source=_PCIE5_SOURCE,
 )
 B200 = GPU(
     name="B200-180GB",
@@ -127,6 +136,7 @@ B200 = GPU(
     hbm_bytes_s=8e12,  # B200 data sheet: 8 TB/s HBM3e
     bf16_flops=2.25e15,  # HGX B200: 4.5 PFLOPS BF16 with sparsity -> 2.25 dense
     pcie_bytes_s=_PCIE5_BYTES_S,  # DGX B200 hosts (Xeon 8570) link at PCIe Gen5
+    pcie_source=_PCIE5_SOURCE,
 )
 
 # TokenDance's testbed (§6.1): A100 80 GB. PCIe Gen4 x16 is 32 GB/s per direction on paper;
