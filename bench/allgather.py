@@ -16,8 +16,8 @@ flight:
    times the p99 of one task alone under smg (TokenDance's 1.5 s SLO is ~3x its one-agent
    round; a task alone here is 8-10 agents, so 2x);
 3. approximate reuse, *modelled* (router/sim/approx.py: diff share, recompute share,
-   restore cost, from TokenDance Fig. 12, CacheBlend, TokenDance §6.5): mori and
-   mori+tokendance, then each constant at 0.5x and 2x (mori+tokendance);
+   restore cost: TokenDance §6.4, CacheBlend, kernels.costs' fused restore model): mori
+   and mori+tokendance, then each constant at 0.5x and 2x (mori+tokendance);
 4. the shared-first control, exact: smg, mori, mori+tokendance.
 
     python3 bench/allgather.py                                  # every table (markdown)
@@ -48,7 +48,7 @@ from router.sim.simulator import SimConfig, simulate  # noqa: E402
 EXACT = ["smg", "mori", "mori+tokendance"]
 APPROX = ["mori", "mori+tokendance"]
 OURS, P99_SMG, P99_MORI = "mori+tokendance", 0.8, 0.85
-SWEEP = ("diff_share", "recompute_share", "restore_s")
+SWEEP = ("diff_share", "recompute_share", "restore_scale")
 KEYS = ("round_latency_mean_s", "round_latency_p99_s", "output_tok_s", "kv_tokens_per_agent")
 
 
@@ -109,11 +109,8 @@ def jobs(args: argparse.Namespace) -> list[tuple]:
         default = ApproxReuse()
         for knob in SWEEP:
             for x in (0.5, 2.0):
-                value = (
-                    min(1.0, getattr(default, knob) * x)
-                    if knob != "restore_s"
-                    else (default.restore_s * x)
-                )
+                value = getattr(default, knob) * x
+                value = value if knob == "restore_scale" else min(1.0, value)
                 reuse = replace(default, **{knob: value})
                 cells.append(("history_first", f"approx {knob} x{x:g}", [OURS], reuse))
     out = []

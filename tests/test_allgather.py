@@ -134,16 +134,16 @@ def test_a_prefix_another_program_computed_is_found_by_its_blocks():
 
 def test_approximate_reuse_stores_and_prefills_less_and_is_modelled():
     reuse = ApproxReuse()
-    store = ApproxStore(reuse)
+    store = ApproxStore(reuse, restore_s_per_token=1e-6)
     blocks = (Segment("c1", "hist/a", 1000), Segment("c2", "answer/b", 400))
-    assert store.forward("a", "r0", blocks, 1400, 0) == (1400, 0, 0)  # nobody holds it yet
+    assert store.forward("a", "r0", blocks, 1400, 0) == (1400, 0, 0, 0)  # nobody holds it yet
     other = (Segment("d1", "hist/b", 800), Segment("d2", "answer/b", 400))
     store.arrive("b", other, 0)
-    prompt, reused, recompute = store.forward("b", "r0", other, 1200, 800)
+    prompt, reused, recompute, restored = store.forward("b", "r0", other, 1200, 800)
     stored = round(400 * reuse.diff_share)
     assert prompt == 1200 - (400 - stored) and reused == 800
     assert recompute == round(400 * reuse.recompute_share) - stored
-    assert store.restore_s(recompute) == reuse.restore_s
+    assert restored == 400 and store.restore_s(restored) == pytest.approx(400e-6)
     # on another replica nothing is held: the full prompt
     assert store.forward("c", "r1", other, 1200, 0)[0] == 1200
     with pytest.raises(ValueError):

@@ -13,7 +13,10 @@ module only prices it, so the benchmark can show what it would buy:
 - such tokens are stored at `diff_share` of their size (the engine is handed a prompt that
   much shorter, and the program's later prompts follow), and prefilled at `recompute_share`
   (the share above `diff_share` is compute the engine is charged without storing it);
-- each request with reusable blocks pays `restore_s` (the fused diff restore of a Mirror).
+- and restored from their Master: the fused diff restore's cost per token, from the
+  kernels' cost model (`kernels.costs.restore_cost`: passes of the KV bytes over the
+  replica's HBM bandwidth; TokenDance's 0.43 ms "per Mirror" does not divide into a
+  per-token cost, see that module), times `restore_scale`.
 
 What the model leaves out (so it flatters approximate reuse): a running Mirror is restored
 dense (its decode reads and its memory while it runs are those of its full context; here
@@ -25,17 +28,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kernels.costs import MIRROR_DIFF_SHARE
 from router.policy.types import Segment
 
-# TokenDance Fig. 12: Master + diffs compress a round's caches 11.2x (Qwen2.5-7B) and 17.5x
-# (14B); a Mirror's blocks stored at 1/11.2 of their size (the conservative of the two).
-DIFF_SHARE = 1 / 11.2
+# TokenDance §6.4 (via kernels.costs): 53.2 of 500-700 32-token blocks differ per Mirror,
+# "roughly 9% the size of a full cache" (Fig. 12: 11.2x compression for Qwen2.5-7B, 17.5x
+# for 14B; the conservative one).
+DIFF_SHARE = MIRROR_DIFF_SHARE
 # CacheBlend (TokenDance's PIC backend, §4.2) recomputes ~15% of a reused block's tokens.
 RECOMPUTE_SHARE = 0.15
-# TokenDance §6.5: fused diff restore 0.43 ms per Mirror (dense restore 0.59 ms), 10 agents,
-# Qwen2.5-7B on an A100. TODO(kernels/costs.py, issue 21): take it from the kernels' own
-# measured fused restore cost once that module is on main.
-RESTORE_S = 0.43e-3
+# kernels.costs' fused restore model as it is (no GPU has measured it yet, docs/kernels.md).
+RESTORE_SCALE = 1.0
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,13 @@ class ApproxReuse:
 
     diff_share: float = DIFF_SHARE
     recompute_share: float = RECOMPUTE_SHARE
-    restore_s: float = RESTORE_S
+    restore_scale: float = RESTORE_SCALE
 
     def __post_init__(self) -> None:
         if not 0 < self.diff_share <= 1 or not 0 < self.recompute_share <= 1:
             raise ValueError("diff_share and recompute_share must be in (0, 1]")
-        if self.restore_s < 0:
-            raise ValueError("restore_s must be >= 0")
+        if self.restore_scale < 0:
+            raise ValueError("restore_scale must be >= 0")
 
 
 @dataclass
@@ -65,8 +68,9 @@ class ApproxStore:
     """Which contents each replica holds in some live program's context, and how much of
     each program's context is stored compressed."""
 
-    def __init__(self, reuse: ApproxReuse) -> None:
+    def __init__(self, reuse: ApproxReuse, restore_s_per_token: float) -> None:
         self.reuse = reuse
+        self.restore_s_per_token = restore_s_per_token * reuse.restore_scale
         self._programs: dict[str, _Context] = {}
         self._holders: dict[tuple[str, str], set[str]] = {}  # (replica, content) -> programs
         self.mirrored_tokens = 0  # gathered tokens reused approximately (for reports)
@@ -78,9 +82,9 @@ class ApproxStore:
         blocks: tuple[Segment, ...],
         input_tokens: int,
         reused_tokens: int,
-    ) -> tuple[int, int, int]:
-        """A request of `pid` goes to `replica`: (prompt, reused, recompute-only tokens) in
-        the engine's compressed terms. Its blocks are then held there."""
+    ) -> tuple[int, int, int, int]:
+        """A request of `pid` goes to `replica`: (prompt, reused, recompute-only tokens,
+        restored tokens) in the engine's compressed terms. Its blocks are then held there."""
         ctx = self._programs.setdefault(pid, _Context())
         if ctx.replica != replica:  # its context is recomputed there in full
             self._drop(pid, ctx)
@@ -101,7 +105,7 @@ class ApproxStore:
             if block.content not in ctx.contents:
                 ctx.contents.add(block.content)
                 self._holders.setdefault((replica, block.content), set()).add(pid)
-        return max(1, prompt), reused, recompute
+        return max(1, prompt), reused, recompute, reusable
 
     def arrive(self, pid: str, blocks: tuple[Segment, ...], reused_tokens: int) -> None:
         """A request of `pid` arrived: the blocks of its own context it reuses (its last
@@ -125,9 +129,9 @@ class ApproxStore:
         ctx = self._programs.get(pid)
         return ctx.exact if ctx is not None else 1 << 62
 
-    def restore_s(self, recompute: int) -> float:
-        """The fused restore a request with reused blocks pays (none without)."""
-        return self.reuse.restore_s if recompute else 0.0
+    def restore_s(self, restored: int) -> float:
+        """The fused restore of `restored` tokens from their Master."""
+        return restored * self.restore_s_per_token
 
     def forget(self, pid: str) -> None:
         ctx = self._programs.pop(pid, None)

@@ -139,14 +139,17 @@ B200 = GPU(
     pcie_source=_PCIE5_SOURCE,
 )
 
-# TokenDance's testbed (§6.1): A100 80 GB. PCIe Gen4 x16 is 32 GB/s per direction on paper;
-# pinned-memory copies reach ~25 GB/s (nvbandwidth host_to_device on A100 SXM hosts).
+# TokenDance's testbed (§6.1): A100 80 GB, on PCIe Gen4.
 A100_80GB = GPU(
     name="A100-SXM-80GB",
     hbm_bytes=81920 * MIB,  # nvidia-smi "81920MiB" on A100 SXM4 80GB
     hbm_bytes_s=2.039e12,  # A100 80GB SXM data sheet: 2,039 GB/s HBM2e
     bf16_flops=312e12,  # A100 data sheet: 312 TFLOPS BF16 dense (624 with sparsity)
     pcie_bytes_s=25e9,
+    pcie_source=(
+        "estimate: PCIe Gen4 x16 pinned cudaMemcpy (~25 of 32 GB/s, nvbandwidth "
+        "host_to_device on A100 SXM hosts); not timed on this GPU by bench/kernels.py"
+    ),
 )
 
 LLAMA_31_8B = ModelSpec(

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from statistics import fmean
 
+from kernels.costs import restore_cost
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import ReplicaCapacity
@@ -154,7 +155,10 @@ class Simulation:
         self.warms: Counter[str] = Counter()  # warm-up outcomes (engine answers)
         self._kv_samples: list[float] = []  # stored KV tokens per live agent, each tick
         self.blocks = PromptBlocks()  # named prompt blocks of every live program instance
-        self.approx = ApproxStore(config.approx) if config.approx is not None else None
+        self.approx = None
+        if config.approx is not None:
+            restore = restore_cost(self.preset.kv_bytes_per_token, self.preset.bytes_s)
+            self.approx = ApproxStore(config.approx, restore.fused_s_per_token)
         self._build_policy_and_engines()
         self._observe = getattr(self.policy, "observe", None)  # runtime-layer policies only
         self._actions = getattr(self.policy, "runtime_actions", None)
@@ -289,7 +293,7 @@ class Simulation:
         return {
             "approx_diff_share": round(reuse.diff_share, 4),
             "approx_recompute_share": round(reuse.recompute_share, 4),
-            "approx_restore_ms": round(reuse.restore_s * 1e3, 3),
+            "approx_restore_scale": reuse.restore_scale,
             "approx_mirrored_tokens": self.approx.mirrored_tokens,
         }
 
@@ -422,11 +426,11 @@ class Simulation:
         chain = self.blocks.chain(pid)
         if self.approx is None:
             return step.input_tokens, step.reused_tokens, chain, 0.0
-        prompt, reused, recompute = self.approx.forward(
+        prompt, reused, recompute, restored = self.approx.forward(
             pid, replica, self.blocks.current(pid), step.input_tokens, step.reused_tokens
         )
         exact = self.approx.exact_until(pid)
-        extra = engine.cost.prefill_s(recompute, reused) + self.approx.restore_s(recompute)
+        extra = engine.cost.prefill_s(recompute, reused) + self.approx.restore_s(restored)
         return prompt, reused, tuple(c for c in chain if c[1] <= exact), extra
 
     def _policy_call(self, moves: list) -> None:
