@@ -390,9 +390,12 @@ class Policy(ABC):
         self._marked.setdefault(p.placement.replica, {})[p.program_id] = p  # type: ignore[arg-type]
 
     def _clear_marks(self, replica: str) -> None:
-        """Forget replica's lazy demotions, so a rebalance can re-mark just what it needs."""
+        """Forget replica's lazy demotions, so a rebalance can re-mark just what it needs
+        (an entry of a program that has moved to another replica since is stale: a mark
+        it got there is not this replica's to clear)."""
         for p in self._marked.pop(replica, {}).values():
-            p.demote_after_step = None
+            if p.placement.replica == replica:
+                p.demote_after_step = None
 
     def _release(self, p: Program, now: float) -> None:
         """Let a gated request through to its program's GPU replica (no move needed)."""

@@ -129,7 +129,9 @@ class MoriPaperPolicy(Policy):
     def _admit(self, p: Program, now: float) -> list[Move]:
         if p.placement.tier is Tier.GPU:
             self._release(p, now)
-            return []
+            # its new prompt may share more with the tier than its last (Tiers.share): room
+            # a held request can use at once (the fast path answers in O(replicas) if none)
+            return self._promote(now)
         self._smallest.push(p)
         return [
             replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
@@ -360,9 +362,10 @@ class MoriPaperPolicy(Policy):
     def _place_cpu(self, p: Program, free: dict[str, int], now: float, moves: list[Move]) -> bool:
         """Back onto its own replica's GPU tier if it fits there (the KV is in its host tier)."""
         r = p.placement.replica
-        if p.context_tokens > free[r]:
+        need = self.tiers.need(p, Placement(Tier.GPU, r))  # shared segments held there: once
+        if need > free[r]:
             return False
-        free[r] -= p.context_tokens
+        free[r] -= need
         moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
         return True
 
@@ -371,11 +374,11 @@ class MoriPaperPolicy(Policy):
     ) -> bool:
         """Last replica if it fits (its host tier may still hold the KV), else most room."""
         r = p.last_replica
-        if r not in free or p.context_tokens > free[r]:
+        if r not in free or self.tiers.need(p, Placement(Tier.GPU, r)) > free[r]:
             r = max(free, key=free.__getitem__)
-            if p.context_tokens > free[r]:
+            if self.tiers.need(p, Placement(Tier.GPU, r)) > free[r]:
                 return False
-        free[r] -= p.context_tokens
+        free[r] -= self.tiers.need(p, Placement(Tier.GPU, r))
         reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
         moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
         return True
@@ -420,12 +423,13 @@ class MoriPaperPolicy(Policy):
         chosen = victims.take(replica, p, p.context_tokens - free[replica], aged)
         if not chosen:
             return []
-        freed = sum(self.tiers.freed_by(v) for v in chosen)  # before any of them moves
-        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
+        gpu = Placement(Tier.GPU, replica)
+        before = self.tiers.used(gpu)  # the change, not a sum: shared segments count once
+        moves = [self._move(p, gpu, reason, now)]
         cpu = Placement(Tier.CPU, replica)
         for v in chosen:  # after p left CPU(replica), so its room is usable by victims
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += freed - p.context_tokens
+        free[replica] -= self.tiers.used(gpu) - before
         return moves
 
 

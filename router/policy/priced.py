@@ -299,12 +299,13 @@ class PricedPolicy(MoriPaperPolicy):
             if p.steps > 0
             else MoveReason.PROMOTE_NEW
         )
-        freed = sum(self.tiers.freed_by(v) for v in victims)  # before any of them moves
-        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
+        gpu = Placement(Tier.GPU, replica)
+        before = self.tiers.used(gpu)  # the change, not a sum: shared segments count once
+        moves = [self._move(p, gpu, reason, now)]
         cpu = Placement(Tier.CPU, replica)
         for v in victims:
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += freed - p.context_tokens
+        free[replica] -= self.tiers.used(gpu) - before
         return moves
 
 
