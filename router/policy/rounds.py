@@ -50,6 +50,8 @@ class Rounds:
         self.previous: dict[str, str] = {}  # program -> the round before
         self.segments: dict[str, tuple[Segment, ...]] = {}  # program -> its last prompt
         self._by_content: dict[str, str] = {}  # content id -> inferred round holding it
+        self._version = 0  # bumped on every change: `shared` is computed once per version
+        self._shared: dict[str, tuple[int, tuple[list[Segment], list[Segment]]]] = {}
 
     def join(
         self, program_id: str, segments: Sequence[Segment], round_id: str | None, now: float
@@ -57,6 +59,7 @@ class Rounds:
         """A request of `program_id` with these segments (and maybe an explicit round)
         arrived: the round it is in, or None (a first prompt of no known round, or a
         prompt with nothing new)."""
+        self._version += 1
         last = self.segments.get(program_id, ())
         self.segments[program_id] = tuple(segments)
         if round_id is None:
@@ -107,12 +110,14 @@ class Rounds:
         rnd.refs -= 1
         if rnd.refs <= 0:
             del self.rounds[rnd.round_id]
+            self._shared.pop(rnd.round_id, None)
             for c in rnd.contents:
                 if self._by_content.get(c) == rnd.round_id:
                     del self._by_content[c]
 
     def forget(self, program_id: str) -> None:
         """An ended program leaves the book (and its rounds, once nobody refers to them)."""
+        self._version += 1
         self.segments.pop(program_id, None)
         for book in (self.current, self.previous):
             round_id = book.pop(program_id, None)
@@ -150,7 +155,10 @@ class Rounds:
         """The round's shared segments: (exact, gathered). Exact: the same prefix in two or
         more members' prompts (an engine stores it once). Gathered: the same content at
         different prefixes (what approximate reuse could share; exact mode stores it once
-        per member)."""
+        per member). Computed once per change of the book (a listing asks per member)."""
+        cached = self._shared.get(rnd.round_id)
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
         chains: Counter[str] = Counter()
         contents: Counter[str] = Counter()
         first: dict[str, Segment] = {}
@@ -165,4 +173,6 @@ class Rounds:
         for s in first.values():
             if contents[s.content] > 1 and s.content not in exact_contents:
                 gathered.setdefault(s.content, s)
-        return exact, list(gathered.values())
+        result = (exact, list(gathered.values()))
+        self._shared[rnd.round_id] = (self._version, result)
+        return result
