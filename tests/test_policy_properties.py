@@ -22,6 +22,7 @@ from router.policy.base import Policy
 from router.policy.baselines import ThunderAgentPolicy
 from router.policy.continuum import ContinuumPolicy
 from router.policy.mori_paper import MoriPaperPolicy
+from router.policy.priced import PricedPolicy
 from router.policy.runtime import AgentEvent, EventKind
 from router.policy.types import WAITING, Placement, ReplicaCapacity, Segment, Status, Tier
 
@@ -53,19 +54,34 @@ timed = st.tuples(st.floats(min_value=0.0, max_value=20.0), event)
 scenario = st.lists(timed, min_size=30, max_size=100)
 
 
-def fits_somewhere(policy: Policy, p) -> bool:
-    """Whether a held program has room in a tier its policy may promote it to."""
+def fits_somewhere(policy: Policy, p, now: float) -> bool:
+    """Whether a held program has room in a tier its policy may promote it to (as of the
+    policy's last promotion pass, at `now`)."""
     healthy = policy.tiers.replicas()
     if isinstance(policy, ThunderAgentPolicy):
         return any(policy.remaining(r) >= policy.cost(p) for r in healthy)
     if isinstance(policy, ContinuumPolicy):
         return continuum_head_fits(policy, p)
-    if p.placement.tier is Tier.CPU:  # MORI: CPU programs keep their replica
+    if isinstance(policy, PricedPolicy):
+        healthy = priced_targets(policy, p, healthy, now)
+    elif p.placement.tier is Tier.CPU:  # MORI: CPU programs keep their replica
         healthy = [p.placement.replica] if p.placement.replica in healthy else []
     reserve = policy.promotion_reserve if isinstance(policy, MoriPaperPolicy) else lambda r: 0
     return any(
         p.context_tokens <= policy.tiers.free(Placement(Tier.GPU, r)) - reserve(r) for r in healthy
     )
+
+
+def priced_targets(policy: PricedPolicy, p, healthy: list[str], now: float) -> list[str]:
+    """Replica affinity: a program that has run goes back to its own replica, and to another
+    only once its wait pays for a recompute there, and never into room that replica's own
+    held programs wait for; new programs (or a lost home) go anywhere."""
+    home = p.last_replica
+    if home not in healthy:
+        return healthy
+    waited_for = {q.last_replica for q in policy._held_programs() if q is not p}
+    others = [r for r in healthy if r != home and r not in waited_for]
+    return [home, *(r for r in others if policy._leave_for(p, r, now))]
 
 
 def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:
@@ -154,23 +170,25 @@ def check_after_tick(policy: Policy, now: float) -> None:
             assert policy.tiers.used(gpu) - in_flight_out <= policy.tiers.budget(gpu)
     for p in policy.programs.values():
         if p.pending:
-            assert not fits_somewhere(policy, p), f"{p.program_id} fits but is still held"
+            assert not fits_somewhere(policy, p, now), f"{p.program_id} fits but is still held"
         idle = p.idleness(now)
         assert 0.0 <= idle <= 1.0
         if p.status is Status.ACTING and p.steps > 0:
             assert p.idleness(now + 5.0) >= idle - 1e-12
 
 
-def check_immediate(policy: Policy) -> None:
-    """MORI admits on events, not only on ticks: no held request fits after any event."""
+def check_immediate(policy: Policy, last_pass: float) -> None:
+    """MORI admits on events, not only on ticks: no held request fits after any event (as
+    of the last event that ran a promotion pass: a cancel runs none)."""
     for p in policy.programs.values():
-        assert not (p.pending and fits_somewhere(policy, p)), f"{p.program_id} waits for a tick"
+        fits = p.pending and fits_somewhere(policy, p, last_pass)
+        assert not fits, f"{p.program_id} waits for a tick"
 
 
 def play(policy: Policy, events, sharing: bool = False) -> None:
     for r in REPLICAS:
         policy.add_replica(r, ReplicaCapacity(1000, 1000))
-    now = 0.0
+    now = last_pass = 0.0
     resized = False  # capacity changed since the last tick: only a tick must act on it
     for dt, (kind, *args) in events:
         now += dt
@@ -181,13 +199,17 @@ def play(policy: Policy, events, sharing: bool = False) -> None:
                 if sharing:
                     policy.on_prompt(pid, SHARES[args[2]])
                 policy.on_request(pid, now, (p.context_tokens if p else 150) + args[1])
+                last_pass = now
             elif kind == "act" and p.status is Status.REASONING:  # the engine answers
                 policy.on_response(pid, now, p.context_tokens + args[1] // 4)
+                last_pass = now
             elif kind == "cancel" and p is not None and p.status is Status.GATED:
                 policy.cancel(pid, now)
             elif kind == "end":
                 policy.end(pid, now)
+                last_pass = now if p is not None else last_pass
         elif kind == "tick":
+            last_pass = now
             policy.tick(now)
             check_after_tick(policy, now)
             resized = False
@@ -196,9 +218,10 @@ def play(policy: Policy, events, sharing: bool = False) -> None:
             resized = True
         else:
             policy.set_healthy(args[0], args[1], now)
+            last_pass = now
         check_tiers(policy)
         if isinstance(policy, MoriPaperPolicy | ContinuumPolicy) and not resized:
-            check_immediate(policy)
+            check_immediate(policy, last_pass)
         for pid in policy.programs:
             routed = policy.route(pid)
             assert routed is None or policy.tiers.healthy[routed], f"{pid} routed to {routed}"

@@ -62,8 +62,14 @@ class PolicyConfig:
     # a request held this long goes first and may displace; 0: off; None: the policy's
     # default (mori: on, see docs/policy.md "Aging"; mori-paper: off)
     aging_s: float | None = None
-    prefill_s_per_token: float = 5e-5  # recompute price before measurements (replica preset)
+    prefill_s_per_token: float = 5e-5  # recompute price per token at no context, before
+    # measurements (replica preset); it grows with context past `attention_tokens` (the
+    # context at which attention costs as much as the weights: Llama-3.1-8B's by default)
+    attention_tokens: float = 30_000.0
     displace_margin: float = 1.0  # mori: a move pays if expected idle >= margin x its cost
+    # mori: a returning program waits for its own replica until its wait reaches this
+    # multiple of the recompute another replica would cost (ski rental; 0: no affinity)
+    home_wait: float = 30.0
     # mori+space (Tokencake §5): critical agent types and their reserved GPU room
     critical_ratio: float = 0.3  # share of the live agent types that are critical
     # static priority (depth x out-degree) weight; the dynamic term of a request waiting
@@ -118,7 +124,11 @@ class Policy(ABC):
         self.tiers.add_replica(replica, capacity)
         self.prices.setdefault(
             replica,
-            ReplicaPrices.starting(self.config.prefill_s_per_token, self.config.load_s_per_token),
+            ReplicaPrices.starting(
+                self.config.prefill_s_per_token,
+                self.config.load_s_per_token,
+                self.config.attention_tokens,
+            ),
         )
 
     def observe_step(

@@ -260,7 +260,7 @@ class MoriPaperPolicy(Policy):
         held, swaps = self._promote_aged(held, free, victims, now, displace, moves)
         on_cpu, returning, new = [], [], []
         for p in held:
-            if p.placement.tier is Tier.CPU:
+            if p.placement.tier is Tier.CPU and not self._may_leave_home(p, now):
                 if p.placement.replica in free:
                     on_cpu.append(p)
             elif p.steps > 0:
@@ -372,13 +372,14 @@ class MoriPaperPolicy(Policy):
     def _place_waiting(
         self, p: Program, free: dict[str, int], now: float, moves: list[Move]
     ) -> bool:
-        """Last replica if it fits (its host tier may still hold the KV), else most room."""
-        r = p.last_replica
-        if r not in free or self.tiers.need(p, Placement(Tier.GPU, r)) > free[r]:
-            r = max(free, key=free.__getitem__)
-            if self.tiers.need(p, Placement(Tier.GPU, r)) > free[r]:
-                return False
-        free[r] -= self.tiers.need(p, Placement(Tier.GPU, r))
+        """The first of its target replicas it fits on (`_replicas_for`: the paper's last
+        replica, whose host tier may still hold the KV, then the one with most room); what it
+        needs there counts the shared segments the replica holds already once (Tiers.need)."""
+        gpu = {r: self.tiers.need(p, Placement(Tier.GPU, r)) for r in free}
+        r = next((r for r in self._replicas_for(p, free, now) if gpu[r] <= free[r]), None)
+        if r is None:
+            return False
+        free[r] -= gpu[r]
         reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
         moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
         return True
@@ -400,13 +401,22 @@ class MoriPaperPolicy(Policy):
         for p in ranked:
             if victims.threshold(p) > victims.most_idle(order):
                 return
-            tries = [p.last_replica, *order] if p.last_replica in free else order
-            for r in tries:
+            for r in self._replicas_for(p, free, now):
                 swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
                 if swap:
                     moves += swap
                     order.sort(key=free.__getitem__, reverse=True)
                     break
+
+    def _replicas_for(self, p: Program, free: dict[str, int], now: float) -> list[str]:
+        """Replicas a held WAITING (or home-leaving CPU) request may be placed on, in the
+        order tried (a hook: `mori-priced` keeps a returning program on its own replica)."""
+        return _affine_first(p, free)
+
+    def _may_leave_home(self, p: Program, now: float) -> bool:
+        """Whether a held CPU-tier request may be placed on another replica than the one
+        holding its KV (the paper: never; a hook for `mori-priced`)."""
+        return False
 
     def _displace(
         self,

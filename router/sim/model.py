@@ -229,6 +229,8 @@ class ReplicaEngine:
             "loaded_tokens": 0,
             "warm_loaded_tokens": 0,
             "warm_prefill_tokens": 0,
+            "admitted": 0,  # requests that left the engine's queue for a batch ...
+            "queue_wait_s": 0.0,  # ... and the seconds they spent in it, summed
         }
 
     # protocol ---------------------------------------------------------------------------
@@ -492,6 +494,8 @@ class ReplicaEngine:
             batch.append(req)
         for req in batch:
             self._queue.remove(req)
+            self.stats["admitted"] += 1
+            self.stats["queue_wait_s"] += now - req.arrival
         return batch
 
     def _reserve(self, req: _Request, now: float) -> bool:

@@ -101,6 +101,14 @@ class Preset:
         """Each TP rank copies its own KV shard over its own link, in parallel."""
         return self.gpu.pcie_bytes_s * self.tp
 
+    @property
+    def attention_tokens(self) -> float:
+        """The context length at which a prompt token's attention costs as much compute as
+        its pass through the weights: the recompute price per token grows with context
+        past it (`router.policy.prices`; the cost model's prefill_s)."""
+        m = self.model
+        return 2 * m.active_params / (4 * m.layers * m.q_heads * m.head_dim)
+
     def host_kv_tokens(self, cpu_ratio: float) -> int:
         """MORI's CPU-to-GPU memory ratio: host DRAM budget for KV = ratio x GPU KV budget."""
         return int(cpu_ratio * self.gpu_kv_tokens)

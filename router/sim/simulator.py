@@ -45,13 +45,11 @@ from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedP
 from router.sim.presets import Preset, get_preset
 from router.sim.segments import PromptBlocks
 
-# The recompute price a policy starts from: a typical agent step prefills a few thousand
-# new tokens on top of tens of thousands cached (then it learns the engine's real price).
-_TYPICAL_NEW, _TYPICAL_PREFIX = 4096, 32768
-
 
 def prefill_s_per_token(preset: Preset) -> float:
-    return CostModel(preset).prefill_s(_TYPICAL_NEW, _TYPICAL_PREFIX) / _TYPICAL_NEW
+    """The recompute price a policy starts from (then it learns the engine's): one token's
+    prefill at no context."""
+    return CostModel(preset).prefill_s(1, 0)
 
 
 @dataclass(frozen=True)
@@ -141,7 +139,7 @@ class Simulation:
         self.records: list[StepRecord] = []
         self.inflight: dict[str, _Request] = {}  # rid -> request in an engine
         self.gated: dict[str, _Request] = {}  # pid -> request held by the gate
-        self.moves = 0
+        self.moves: Counter[str] = Counter()  # by reason
         self.wake_at: float | None = None  # extra tick the policy asked for (next_wakeup)
         self._util_area = 0.0
         self._util_t = 0.0
@@ -171,6 +169,7 @@ class Simulation:
         pc = {
             "load_s_per_token": self.preset.kv_bytes_per_token / self.preset.pcie_bytes_s,
             "prefill_s_per_token": prefill_s_per_token(self.preset),
+            "attention_tokens": self.preset.attention_tokens,
         }
         pc.update(cfg.policy_config)
         self.policy: Policy = make_policy(cfg.policy, PolicyConfig(**pc))
@@ -198,10 +197,14 @@ class Simulation:
                 self._push(nt, _ENGINE, name)
 
     # run ---------------------------------------------------------------------------------
-    def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
+    def run(
+        self,
+        progress: Callable[[float], None] | None = None,
+        probe: Callable[[Simulation], None] | None = None,
+    ) -> RunResult:
         """Simulate `duration_s` virtual seconds (open loop: then until the tasks that
         arrived are answered, at most `DRAIN_X` x longer); `progress(fraction)` now and
-        then."""
+        then; `probe(self)` at every tick (bench/live_vs_sim.py samples the state)."""
         started = time.perf_counter()
         cfg = self.config
         horizon = cfg.duration_s
@@ -224,6 +227,8 @@ class Simulation:
             elif kind == _TICK:
                 self._sample_kv()
                 self._policy_call(self.policy.tick(t))
+                if probe is not None:
+                    probe(self)
                 self._push(t + self.policy.config.tick_s, _TICK, None)
             elif kind == _WAKE:
                 if t == self.wake_at:  # else superseded by a later request
@@ -262,7 +267,7 @@ class Simulation:
             "seed": cfg.seed,
             "window": self.policy.config.window,
             "tick_s": self.policy.config.tick_s,
-            "moves": self.moves,
+            "moves": self.moves.total(),
             # requests still held when the run ends: a starving program shows here, since
             # TTFT statistics only count answered steps
             "held_at_end": len(self.gated),
@@ -435,7 +440,7 @@ class Simulation:
 
     def _policy_call(self, moves: list) -> None:
         """After every policy call: count moves, push hints, release what the moves allow."""
-        self.moves += len(moves)
+        self.moves.update(str(m.reason) for m in moves)
         updates = self.policy.hint_updates()
         if self.policy.sends_hints:
             for replica, hints in updates.items():
@@ -537,6 +542,6 @@ class Simulation:
                 self._start_client(None)  # closed loop: the slot takes the next program
 
 
-def simulate(corpus: list[TraceProgram], config: SimConfig, progress=None) -> RunResult:
+def simulate(corpus: list[TraceProgram], config: SimConfig, progress=None, probe=None) -> RunResult:
     """Run one cell (see `Simulation`)."""
-    return Simulation(corpus, config).run(progress)
+    return Simulation(corpus, config).run(progress, probe)
