@@ -42,7 +42,9 @@ BASH_TOOL = {
 
 
 def _big(program_id: str) -> dict:
-    return chat(program_id, "word " * 1600)  # ~8000 chars: ~2000 tokens
+    """~8000 chars (~2000 tokens) that share nothing with another program's prompt (the tiers
+    count a prompt two programs share once, as the engine stores it)."""
+    return chat(program_id, f"{program_id} " + "word " * 1600)
 
 
 @pytest.fixture(scope="module")

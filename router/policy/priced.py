@@ -391,11 +391,13 @@ class PricedPolicy(MoriPaperPolicy):
             if p.steps > 0
             else MoveReason.PROMOTE_NEW
         )
-        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
+        gpu = Placement(Tier.GPU, replica)
+        before = self.tiers.used(gpu)  # the change, not a sum: shared segments count once
+        moves = [self._move(p, gpu, reason, now)]
         cpu = Placement(Tier.CPU, replica)
         for v in victims:
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += sum(v.context_tokens for v in victims) - p.context_tokens
+        free[replica] -= self.tiers.used(gpu) - before
         return moves
 
 
@@ -511,7 +513,7 @@ class _Victims:
                 stale += 1 if not chosen else 0
                 continue
             chosen.append(q)
-            freed += q.context_tokens
+            freed += self._policy.tiers.freed_by(q)
             if freed >= needed:
                 del pool[:stale]  # the stale head is gone for good
                 return chosen

@@ -37,6 +37,7 @@ POLICY_WORDS: dict[str, str] = {
     "mori+cachesage": "MORI + CacheSage's learned agent transitions",
     "mori+space": "MORI + Tokencake's space scheduler (app graphs)",
     "mori-priced+space": "mori-priced + Tokencake's space scheduler",
+    "mori+tokendance": "MORI + TokenDance's collective scheduling of rounds",
     "continuum": "Continuum: pins a program's KV for a tool-call TTL",
     "ta": "ThunderAgent: program-aware pause/resume, no host tier",
     "ta+o": "ThunderAgent + offload to the engine's LRU host tier",
@@ -68,6 +69,10 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("app_e2e_mean_s", "app e2e s\nmean", "{:.1f}"),
     ("app_e2e_p99_s", "app e2e s\np99", "{:.1f}"),
     ("abnormal_agents", "abnormal\nagents", "{:d}"),
+    # All-Gather rounds (TokenDance): round latency, and KV stored per live agent
+    ("round_latency_mean_s", "round s\nmean", "{:.2f}"),
+    ("round_latency_p99_s", "round s\np99", "{:.2f}"),
+    ("kv_tokens_per_agent", "KV per\nagent", "{:.0f}"),
 ]
 # The default table fits 80 columns: throughput, TTFT, KV use, where prompts were found, churn.
 NARROW = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "gpu_util", "hit_device", "miss", "churn")

@@ -20,6 +20,7 @@ import yaml
 from router.policy import PolicyConfig, policy_names
 from router.replay.records import RunResult
 from router.replay.trace import TraceError, TraceProgram, load_trace
+from router.sim.approx import ApproxReuse
 from router.sim.presets import PRESETS
 from router.sim.simulator import SimConfig, simulate
 
@@ -149,6 +150,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="KNOB=VALUE",
         help="a policy knob for every cell (repeatable), e.g. --set aging_s=60",
     )
+    parser.add_argument(
+        "--approx",
+        action="store_true",
+        help="TokenDance's approximate reuse of gathered blocks, modelled (router/sim/approx.py)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes")
     parser.add_argument(
         "--json", dest="json_out", help="write results JSON (+ .csv, plots) (default: none)"
@@ -186,6 +192,7 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
             start_jitter_s=sc.start_jitter_s,
             policy_config=dict(sc.policy),
             gpu_tokens=sc.gpu_tokens,
+            approx=ApproxReuse() if getattr(args, "approx", False) else None,
         )
         for ratio, conc, policy in itertools.product(sc.cpu_ratio, sc.concurrency, sc.policies)
     ]
@@ -239,6 +246,8 @@ def run(args) -> int:
         title += f", GPU KV {sc.gpu_tokens:,} tokens"
     if sc.token_scale != 1.0:
         title += f", tokens x{sc.token_scale:g}"
+    if args.approx:
+        title += ", approximate reuse (modelled)"
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("simulating cells", total=len(configs))

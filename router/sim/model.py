@@ -157,6 +157,7 @@ class _Request:
     cached: tuple[int, int] = (0, 0)  # reported (device, host): prefetched tokens count as host
     aborted: bool = False
     path: list[Node] = field(default_factory=list)  # its context's nodes, locked on device
+    extra_s: float = 0.0  # prefill time beyond its new tokens (approximate reuse's work)
 
 
 @dataclass(slots=True)
@@ -242,17 +243,20 @@ class ReplicaEngine:
         now: float,
         reused_tokens: int | None = None,
         prefix: SharedPrefix | None = None,
+        extra_prefill_s: float = 0.0,
     ) -> None:
         """Queue a request. `reused_tokens` (optional) caps the prefix of the program's own
         cached context it may reuse, for traces whose prompt shares less than the whole
         previous context; `prefix` says what it shares with other programs when it has no
-        cached context of its own (see `SharedPrefix`)."""
+        cached context of its own (see `SharedPrefix`); `extra_prefill_s` is prefill work
+        beyond its new tokens (the simulator's model of approximate reuse, router.sim.approx)."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already submitted")
         self._run(now)
         req = _Request(
             rid, program_id, int(input_tokens), int(output_tokens), now, reused_tokens, prefix
         )
+        req.extra_s = extra_prefill_s
         self._requests[rid] = req
         if req.input_tokens + req.output_tokens > self.gpu_tokens:
             self._finish(req, now, ok=False)
@@ -518,7 +522,7 @@ class ReplicaEngine:
         ready = now
         for req in batch:
             prefix = req.dev_hit + req.host_hit
-            compute += self.cost.prefill_s(req.input_tokens - prefix, prefix)
+            compute += self.cost.prefill_s(req.input_tokens - prefix, prefix) + req.extra_s
             self.stats["prefill_tokens"] += req.input_tokens - prefix
             self.stats["loaded_tokens"] += req.host_hit
             ready = max(ready, max(n.ready_at for n in req.path))
