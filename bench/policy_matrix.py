@@ -5,12 +5,20 @@
     python bench/policy_matrix.py --write bench/results/2026-11-23-policy-matrix.md
     python bench/policy_matrix.py --sweep aging_s=0,120,300 --seeds 0 1   # mori variants
 
-Simulated (`mori sim`'s engine model, H100 + Llama-3.1-8B preset, one replica, one virtual
-hour per run). Per cell (corpus x programs x CPU ratio) it prints, for each policy, the
-mean over seeds of output tok/s, TTFT mean / p99 / max, and requests in the engine, then
-`mori`'s ratio to the best baseline (smg, ta, ta+o, continuum) and its TTFT p99 against
-2x smg's, the targets of docs/policy.md. Requests still held when a run ends are counted
-in TTFT max (their wait so far), so starvation cannot hide.
+    python bench/policy_matrix.py --deployments h200-moe-x3 --programs 50 80 --cpu-ratio 1 \
+        --corpora generated claude-x0.5 --duration 1800            # the 3-replica cells
+
+Simulated (`mori sim`'s engine model, one virtual hour per run by default). Deployments:
+`h100-8b` (one H100 + Llama-3.1-8B replica), `h100-8b-x2` (two of them) and `h200-moe-x3`
+(three H200 + Qwen3-30B-A3B replicas, MORI's Fig. 10); `--programs` counts programs per
+replica, as the paper does (80 on three replicas: 240 programs). Per cell (deployment x
+corpus x programs x CPU ratio) it prints, for each policy, the mean over seeds of output
+tok/s, TTFT mean / p99 / max, requests in the engine, the share of prompt tokens
+recomputed (miss) and the share of programs that ran on more than one replica (churn),
+then `mori`'s ratio to the best baseline (smg, ta, ta+o, continuum, and mori-paper where
+it runs) and its TTFT p99 against 2x smg's, the targets of docs/policy.md. Requests still
+held when a run ends are counted in TTFT max (their wait so far), so starvation cannot
+hide.
 """
 
 from __future__ import annotations
@@ -45,16 +53,22 @@ CORPORA = {  # name -> (trace, token scale)
     "claude-x0.25": ("traces/claude-code-sample.jsonl", 0.25),
     "claude-x0.5": ("traces/claude-code-sample.jsonl", 0.5),
 }
+DEPLOYMENTS = {  # name -> (preset, replicas)
+    "h100-8b": ("h100-8b", 1),
+    "h100-8b-x2": ("h100-8b", 2),
+    "h200-moe-x3": ("h200-30b-moe", 3),
+}
 POLICIES = ["mori", "mori-priced", "mori-paper", "continuum", "ta+o", "ta", "smg"]
-BASELINES = ("smg", "ta", "ta+o", "continuum")
+BASELINES = ("smg", "ta", "ta+o", "continuum", "mori-paper")
 TARGET_TPUT = 0.98  # mori >= 0.98x the best baseline's output tok/s
 TARGET_P99 = 2.0  # mori's TTFT p99 <= 2x smg's
 SWEPT: set[str] = set()  # knobs given by --sweep (shown in the policy column)
-METRICS = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "ttft_max_s", "running_mean")
+METRICS = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "ttft_max_s", "running_mean", "churn")
 
 
 @dataclass(frozen=True)
 class Run:
+    deployment: str
     corpus: str
     programs: int
     cpu_ratio: float
@@ -77,9 +91,12 @@ def _trace(path: str) -> list[TraceProgram]:
 
 def run_one(run: Run) -> tuple[Run, dict[str, float]]:
     trace, scale = CORPORA[run.corpus]
+    preset, replicas = DEPLOYMENTS[run.deployment]
     cfg = SimConfig(
         policy=run.policy,
-        concurrency=run.programs,
+        preset=preset,
+        replicas=replicas,
+        concurrency=run.programs * replicas,
         cpu_ratio=run.cpu_ratio,
         duration_s=run.duration_s,
         token_scale=scale,
@@ -148,17 +165,18 @@ def machine() -> str:
 
 
 def render(cells: dict, policies: list[str], console: Console) -> list[str]:
-    """One rich table per corpus; returns the same as Markdown lines."""
+    """One rich table per deployment and corpus; returns the same as Markdown lines."""
     md: list[str] = []
-    for corpus in dict.fromkeys(k[0] for k in cells):
-        table = Table(title=f"{corpus} (mean over seeds)", header_style="bold")
+    for group in dict.fromkeys(k[:2] for k in cells):
+        title = f"{group[1]} on {group[0]}"
+        table = Table(title=f"{title} (mean over seeds)", header_style="bold")
         heads = ["programs", "cpu", "policy", "tok/s", "TTFT mean", "p99", "max", "in engine"]
-        heads += ["mori/best", "p99/smg"]
+        heads += ["miss", "churn", "mori/best", "p99/smg"]
         for h in heads:
             table.add_column(h, justify="left" if h == "policy" else "right")
-        md += [f"### {corpus}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-        for (c, programs, ratio), cell in cells.items():
-            if c != corpus:
+        md += [f"### {title}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        for (deployment, corpus, programs, ratio), cell in cells.items():
+            if (deployment, corpus) != group:
                 continue
             v = verdicts(cell, next(p for p in policies if p in cell))
             for i, name in enumerate(p for p in policies if p in cell):
@@ -166,6 +184,7 @@ def render(cells: dict, policies: list[str], console: Console) -> list[str]:
                 row = [str(programs), f"{ratio:g}", name, f"{m['output_tok_s']:.1f}"]
                 row += [f"{m['ttft_mean_s']:.1f}", f"{m['ttft_p99_s']:.0f}"]
                 row += [f"{m['ttft_max_s']:.0f}", f"{m['running_mean']:.1f}"]
+                row += [f"{m['miss']:.0%}", f"{m['churn']:.1%}"]
                 if i == 0 and v:
                     tick = lambda ok: "" if ok else " MISS"  # noqa: E731
                     row.append(f"{v['tput_ratio']:.2f}x vs {v['best']}{tick(v['tput_ok'])}")
@@ -183,8 +202,9 @@ def render(cells: dict, policies: list[str], console: Console) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--deployments", nargs="+", default=["h100-8b"], choices=DEPLOYMENTS)
     parser.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=list(CORPORA))
-    parser.add_argument("--programs", nargs="+", type=int, default=[20, 50, 80])
+    parser.add_argument("--programs", nargs="+", type=int, default=[20, 50, 80], help="per replica")
     parser.add_argument("--cpu-ratio", nargs="+", type=float, default=[1.0, 2.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3])
     parser.add_argument("--policies", nargs="+", default=POLICIES)
@@ -207,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         SWEPT.add(knob)
         variants = [(*settings, (knob, _value(v))) for v in values.split(",")]
     runs = [
-        Run(c, n, r, s, p, args.duration, variant if p == "mori" else family(p))
+        Run(d, c, n, r, s, p, args.duration, variant if p == "mori" else family(p))
+        for d in args.deployments
         for c in args.corpora
         for n in args.programs
         for r in args.cpu_ratio
@@ -222,11 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         for done in pool.map(run_one, runs, chunksize=1):
             results.append(done)
             progress.advance(task)
-    cells: dict[tuple[str, int, float], dict[str, dict[str, float]]] = {}
-    for key in dict.fromkeys((r.corpus, r.programs, r.cpu_ratio) for r, _ in results):
+    cells: dict[tuple[str, str, int, float], dict[str, dict[str, float]]] = {}
+    cell_of = lambda r: (r.deployment, r.corpus, r.programs, r.cpu_ratio)  # noqa: E731
+    for key in dict.fromkeys(cell_of(r) for r, _ in results):
         by_policy: dict[str, list[dict[str, float]]] = {}
         for run, row in results:
-            if (run.corpus, run.programs, run.cpu_ratio) == key:
+            if cell_of(run) == key:
                 by_policy.setdefault(run.label, []).append(row)
         cells[key] = {p: mean_rows(rows) for p, rows in by_policy.items()}
     console = Console(width=140)

@@ -3,6 +3,11 @@
     python bench/real_engine_ab.py                      # mori, ta+o, smg; 2 runs each, 120 s
     python bench/real_engine_ab.py --runs 1 --duration 60 --policies mori,smg
     python bench/real_engine_ab.py --write bench/results/2026-11-23-real-engine-ab.md
+    python bench/real_engine_ab.py --policies mori,smg,smg-gateway --max-total-tokens 3072 12288
+
+`smg-gateway` is the real SGLang Model Gateway (`smg` 1.13, its cache-aware policy, installed
+as bench/gateways.py says) in front of the same fresh engine, instead of `mori serve`.
+Several `--max-total-tokens` sweep the memory pressure: each budget is a block of runs.
 
 One SGLang replica (the newest supported line from scripts/install_sglang_cpu.sh, or
 MORI_SGLANG_VERSION) started by `mori-sglang` on the tiny random-weight test model, with a
@@ -39,6 +44,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
@@ -60,17 +66,30 @@ def running_sampler(url: str, stop: threading.Event, out: list[float]) -> None:
                 out.append(sum(values))
 
 
-def one_run(args: argparse.Namespace, policy: str, model: Path, work: Path) -> dict:
+GATEWAY = "smg-gateway"
+
+
+def router_argv(args: argparse.Namespace, policy: str, engine: str, port: int) -> list[str]:
+    """`mori serve --policy POLICY`, or the real gateway for `smg-gateway`."""
+    if policy == GATEWAY:
+        return gateway_argv("smg", [engine], port, free_port(), python=args.smg_python)
+    return mori(
+        "serve", "--replicas", engine, "--port", str(port), "--policy", policy,
+        "--set", f"tick_s={args.tick_s}", "--log-level", "warning",
+    )  # fmt: skip
+
+
+def one_run(
+    args: argparse.Namespace, policy: str, model: Path, work: Path, device_tokens: int
+) -> dict:
     """A fresh engine, a router with `policy`, and the replay; returns the replay's row."""
-    flags = ["--max-total-tokens", str(args.max_total_tokens), "--hicache-ratio", "2"]
+    flags = ["--max-total-tokens", str(device_tokens), "--hicache-ratio", "2"]
     flags += ["--enable-metrics"]
     with patched_servers(1, model, work, flags) as (engine,):
         port = free_port()
-        serve = mori(
-            "serve", "--replicas", engine.url, "--port", str(port), "--policy", policy,
-            "--set", f"tick_s={args.tick_s}", "--log-level", "warning",
-        )  # fmt: skip
-        with spawn(serve, port):
+        with spawn(router_argv(args, policy, engine.url, port), port):
+            if policy == GATEWAY:
+                wait_serving(f"http://127.0.0.1:{port}")
             samples: list[float] = []
             stop = threading.Event()
             sampler = threading.Thread(target=running_sampler, args=(engine.url, stop, samples))
@@ -105,40 +124,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0, help="wall seconds per run")
     parser.add_argument("--concurrency", type=int, default=10)
     parser.add_argument("--token-scale", type=float, default=0.1)
-    parser.add_argument("--max-total-tokens", type=int, default=6144)
+    parser.add_argument(
+        "--max-total-tokens", type=int, nargs="+", default=[6144], help="device KV budgets"
+    )
     parser.add_argument("--tick-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--write", type=Path, help="append the table to this markdown file")
+    parser.add_argument("--smg-python", type=Path, default=SMG_PYTHON)
+    parser.add_argument("--write", type=Path, help="append the tables to this markdown file")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if GATEWAY in policies and not args.smg_python.exists():
+        parser.error(f"no gateway at {args.smg_python}: see bench/gateways.py to install it")
     console = Console(width=120)
-    rows: dict[str, list[dict]] = {p: [] for p in policies}
-    load = os.getloadavg()[0]
+    md: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mori-ab-") as tmp:
         work = Path(tmp)
         model = build_tiny_model(work / "tiny")
-        for run in range(args.runs):
-            for policy in policies:
-                started = time.monotonic()
-                rows[policy].append(one_run(args, policy, model, work))
-                console.print(
-                    f"run {run + 1} {policy}: {rows[policy][-1]['output_tok_s']:.1f} tok/s "
-                    f"({time.monotonic() - started:.0f} s)"
-                )
-    table = Table(title=f"real SGLang {installed_version()} on CPU, {args.runs} runs each")
+        for budget in args.max_total_tokens:
+            rows = runs(args, policies, model, work, budget, console)
+            md += report(args, budget, rows, console)
+    if args.write:
+        command = " ".join(["python bench/real_engine_ab.py", *(argv or sys.argv[1:])])
+        head = [f"## {date.today().isoformat()} - real SGLang {installed_version()} on CPU", ""]
+        head += [f"`{command}` (shared 2-vCPU machine; load per run in the tables)", ""]
+        with args.write.open("a") as fh:
+            fh.write("\n".join(head + md) + "\n")
+    return 0
+
+
+def runs(args, policies, model, work, budget, console) -> dict[str, list[dict]]:
+    """`--runs` interleaved repetitions (A B C A B C ...) of every policy on `budget`."""
+    rows: dict[str, list[dict]] = {p: [] for p in policies}
+    for run in range(args.runs):
+        for policy in policies:
+            started, load = time.monotonic(), os.getloadavg()[0]
+            row = one_run(args, policy, model, work, budget) | {"load": load}
+            rows[policy].append(row)
+            console.print(
+                f"{budget} tokens, run {run + 1} {policy}: {row['output_tok_s']:.1f} tok/s "
+                f"({time.monotonic() - started:.0f} s, load {load:.1f})"
+            )
+    return rows
+
+
+def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> list[str]:
+    """The budget's table and mori's ratios (tok/s, TTFT p99, misses) as Markdown lines."""
+    title = f"real SGLang {installed_version()} on CPU, {budget} device tokens, {args.runs} runs"
+    table = Table(title=title)
     heads = ["policy", "out tok/s", "TTFT mean / p99 s", "device / host / miss %", "running"]
+    heads.append("load")
     for h in heads:
         table.add_column(h, justify="left" if h == "policy" else "right")
-    md = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
-    for policy, runs in rows.items():
+    md = [f"### {budget} device tokens", "", "| " + " | ".join(heads) + " |"]
+    md.append("|---|" + "---:|" * (len(heads) - 1))
+    for policy, results in rows.items():
         cells = [
-            ", ".join(f"{r['output_tok_s']:.1f}" for r in runs),
-            ", ".join(f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.1f}" for r in runs),
+            ", ".join(f"{r['output_tok_s']:.1f}" for r in results),
+            ", ".join(f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.1f}" for r in results),
             ", ".join(
                 f"{100 * r['hit_device']:.1f} / {100 * r['hit_host']:.1f} / {100 * r['miss']:.1f}"
-                for r in runs
+                for r in results
             ),
-            f"{statistics.fmean(r['running_mean'] for r in runs):.2f}",
+            f"{statistics.fmean(r['running_mean'] for r in results):.2f}",
+            ", ".join(f"{r['load']:.1f}" for r in results),
         ]
         table.add_row(policy, *cells)
         md.append("| " + " | ".join([policy, *cells]) + " |")
@@ -149,23 +197,17 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = []
     if "mori" in rows:
-        for other in (p for p in policies if p != "mori"):
+        for other in (p for p in rows if p != "mori"):
             tput = mean("mori", "output_tok_s") / max(mean(other, "output_tok_s"), 1e-9)
+            p99 = mean("mori", "ttft_p99_s") / max(mean(other, "ttft_p99_s"), 1e-9)
             misses = mean("mori", "miss") / max(mean(other, "miss"), 1e-9)
-            ratios.append(f"mori / {other}: output tok/s {tput:.2f}x, misses {misses:.2f}x")
+            ratios.append(
+                f"mori / {other}: output tok/s {tput:.2f}x, TTFT p99 {p99:.2f}x, "
+                f"misses {misses:.2f}x"
+            )
     for line in ratios:
         console.print(line)
-    if args.write:
-        command = " ".join(["python bench/real_engine_ab.py", *(argv or sys.argv[1:])])
-        head = [
-            f"## {date.today().isoformat()} - real SGLang {installed_version()} on CPU",
-            "",
-            f"`{command}` (1-min load average at start: {load:.1f}; shared 2-vCPU machine)",
-            "",
-        ]
-        with args.write.open("a") as fh:
-            fh.write("\n".join(head + md + [""] + [f"- {r}" for r in ratios] + [""]) + "\n")
-    return 0
+    return [*md, "", *(f"- {r}" for r in ratios), ""]
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ class StubEngine(asyncio.Protocol):
     delay_s = 0.0  # mean engine time per inference answer (--engine-delay-ms)
 
     def _answer(self, path: bytes) -> None:
-        if path.startswith(b"/v1/"):
+        if path.startswith(b"/v1/") and path != b"/v1/models":
             body, ctype = b"%x\r\n%s\r\n0\r\n\r\n" % (len(STUB_SSE), STUB_SSE), b"text/event-stream"
             head = b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n"
             answer = head % ctype + body
@@ -79,7 +79,9 @@ class StubEngine(asyncio.Protocol):
                 self.transport.write(answer)  # type: ignore[attr-defined]
             return
         body = b'{"max_total_num_tokens": 10000000, "hicache_host_tokens": 20000000}'
-        if path.startswith(b"/mori/hints"):
+        if path == b"/v1/models":  # a gateway learns its workers' model here
+            body = b'{"object": "list", "data": [{"id": "stub", "object": "model"}]}'
+        elif path.startswith(b"/mori/hints"):
             body = b'{"epoch": 0, "stale": false, "residency": {}}'
         head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
         self.transport.write(head % len(body) + body)  # type: ignore[attr-defined]

@@ -13,12 +13,11 @@ system time of the router's processes (MORI: the owner and every worker) from /p
 the measured window, divided by the requests served. The all-cores phase pins nothing
 and gives MORI its default worker count: req/s side by side.
 
-Two gateways, each in its own venv, never in the project's: `smg` 1.13 (the SGLang Model
-Gateway's current name; `--smg-python`, default ~/.cache/mori-smg/venv/bin/python:
-`python -m venv ~/.cache/mori-smg/venv && ~/.cache/mori-smg/venv/bin/pip install
-'smg==1.13.*'`) and `sglang-router` 0.3.2 (its earlier name; `--gateway-python`, default
-~/.cache/mori-gw/venv/bin/python, `pip install sglang-router==0.3.2`). A gateway whose
-python is missing is left out. Both run with `--policy round_robin`.
+Two gateways, each in its own venv, never in the project's, started as bench/gateways.py
+says (which also says how to install them): `smg` 1.13 (the SGLang Model Gateway's current
+name; `--smg-python`) and `sglang-router` 0.3.2 (its earlier name; `--gateway-python`). A
+gateway whose python is missing is left out. Both run with `--policy round_robin`: one
+stub engine leaves nothing to route, and round robin is each gateway's cheapest path.
 """
 
 from __future__ import annotations
@@ -41,14 +40,18 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.gateways import (  # noqa: E402
+    GATEWAY_PYTHON,
+    PYTHONS,
+    SMG_PYTHON,
+    gateway_argv,
+    wait_serving,  # noqa: E402
+)
 from bench.router_overhead import StubEngine, cpu_seconds, in_processes, tree_cpu  # noqa: E402
 from router.wire.upstream import Upstream  # noqa: E402
 from tests.servers import free_port, mori, stop  # noqa: E402
 
 PATH = b"/v1/chat/completions"
-GATEWAY_PYTHON = Path.home() / ".cache/mori-gw/venv/bin/python"
-SMG_PYTHON = Path.home() / ".cache/mori-smg/venv/bin/python"
-GATEWAYS = {"smg": "smg.launch_router", "sglang-router": "sglang_router.launch_router"}
 BODY = {
     "model": "default",
     "messages": [{"role": "user", "content": "bench: say hi"}],
@@ -155,17 +158,13 @@ def targets(args: argparse.Namespace, stub: str, workers: list[int]) -> dict:
         ]  # fmt: skip
         out["mori" if count == workers[0] else f"mori-{count}w"] = (argv, port)
     pythons = {"smg": args.smg_python, "sglang-router": args.gateway_python}
-    for name, module in GATEWAYS.items():
-        if not pythons[name].exists():
-            print(f"{name}: no {pythons[name]}, left out")
+    for name, python in pythons.items():
+        if not python.exists():
+            print(f"{name}: no {python}, left out")
             continue
         gw_port = free_port()
-        gateway = [
-            str(pythons[name]), "-m", module, "--worker-urls", stub,
-            "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(gw_port),
-            "--prometheus-port", str(free_port()), "--log-level", "warn",
-        ]  # fmt: skip
-        out[name] = (gateway, gw_port)
+        argv = gateway_argv(name, [stub], gw_port, free_port(), "round_robin", python)
+        out[name] = (argv, gw_port)
     return out
 
 
@@ -181,6 +180,8 @@ def measure(args: argparse.Namespace, phases: list[tuple[int, int]], cpus: dict,
         for name, (argv, port) in targets(args, stub, workers).items():
             proc = stack.enter_context(server(argv, port, cpus["router"]))
             running[name] = (proc, f"http://127.0.0.1:{port}")
+            if name in PYTHONS:
+                wait_serving(running[name][1])
         for rep in range(args.reps):
             for streams, procs in phases:
                 for name, (proc, base) in running.items():
@@ -242,7 +243,7 @@ def report(rows: dict, title: str, console: Console) -> None:
             )  # fmt: skip
     console.print(table)
     for (streams, name), m in rows.items():
-        for gateway in GATEWAYS:
+        for gateway in PYTHONS:
             g, d = rows.get((streams, gateway)), rows.get((streams, "direct"))
             if name.startswith("mori") and g and d:
                 console.print(_ratios(streams, name, gateway, m, g, d))

@@ -28,6 +28,41 @@ REQUIRED = {
     "--radix-eviction-policy": "mori",
 }
 FORBIDDEN = ("--enable-session-radix-cache",)
+HELP = ("-h", "--help")
+
+
+def usage() -> str:
+    """What mori-sglang adds to SGLang's server; printed with or without SGLang installed."""
+    added = "".join(
+        f"\n  {flag}" if value is None else f"\n  {flag} {value}"
+        for flag, value in REQUIRED.items()
+    )
+    return (
+        "usage: mori-sglang [SGLANG SERVER FLAGS...]\n\n"
+        "Start SGLang's server (sglang.launch_server) with the MORI engine patch: typed\n"
+        "eviction and offload hints from the MORI router (docs/engine-patch.md). Every flag is\n"
+        f"SGLang's own and passed through unchanged; mori-sglang adds:{added}\n"
+        f"and refuses {', '.join(FORBIDDEN)}. Supported SGLang: {' and '.join(SUPPORTED)}\n"
+        "(pip install -e '.[sglang]').\n\n"
+        "  mori-sglang --model-path Qwen/Qwen3-8B --hicache-ratio 2 --port 30000"
+    )
+
+
+def print_help() -> int:
+    """Our usage, then SGLang's own flags where a supported SGLang is installed."""
+    print(usage())
+    try:
+        check_sglang()
+    except LaunchError as exc:
+        print(f"\nSGLang's own flags are listed here once it is installed ({exc})")
+        return 0
+    print("\nSGLang's server flags:\n", flush=True)
+    sys.argv = ["sglang.launch_server", "--help"]
+    try:
+        runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    except SystemExit as done:  # argparse's --help exits 0 after printing
+        return int(done.code or 0)
+    return 0
 
 
 class LaunchError(RuntimeError):
@@ -93,6 +128,8 @@ def plugin_env(env: dict[str, str]) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     user = list(sys.argv[1:] if argv is None else argv)
+    if any(flag in HELP for flag in user):
+        return print_help()
     try:
         check_sglang()
         full = build_argv(user)

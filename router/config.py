@@ -65,7 +65,9 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replicas: list[ReplicaSpec] = Field(default_factory=list)
-    host: str = "0.0.0.0"
+    # Loopback, like every `mori` server: the router's admin and program APIs need no key
+    # until api_keys/admin_key are set. Containers listen on 0.0.0.0 (MORI_HOST in the image).
+    host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     workers: int | None = Field(default=None, ge=1)  # data-plane processes; None: the cores
     policy: str = "mori"
@@ -77,13 +79,18 @@ class RouterConfig(BaseModel):
     new_program_tokens: int = Field(default=_POLICY.new_program_tokens, gt=0)
     aging_s: float | None = Field(default=_POLICY.aging_s, ge=0)
     displace_margin: float = Field(default=_POLICY.displace_margin, gt=0)
+    home_wait: float = Field(default=_POLICY.home_wait, ge=0)
     critical_ratio: float = Field(default=_POLICY.critical_ratio, ge=0, le=1)
     w_static: float = Field(default=_POLICY.w_static, ge=0)
     gpu_usage_high: float = Field(default=_POLICY.gpu_usage_high, ge=0, le=1)
     gpu_usage_low: float = Field(default=_POLICY.gpu_usage_low, ge=0, le=1)
     reserve_step: float = Field(default=_POLICY.reserve_step, ge=0, le=1)
     reserve_max: float = Field(default=_POLICY.reserve_max, ge=0, le=1)
+    round_gang_s: float = Field(default=_POLICY.round_gang_s, ge=0)
+    round_yield_x: float = Field(default=_POLICY.round_yield_x, ge=0)
+    round_share_min: float = Field(default=_POLICY.round_share_min, ge=0, le=1)
     prefill_s_per_token: float = Field(default=_POLICY.prefill_s_per_token, gt=0)
+    attention_tokens: float = Field(default=_DEFAULT_PRESET.attention_tokens, gt=0)
     predict_lead_s: float = Field(default=_POLICY.predict_lead_s, ge=0)
     predict_grace_s: float = Field(default=_POLICY.predict_grace_s, ge=0)
     ewma_alpha: float = Field(default=_POLICY.ewma_alpha, gt=0, le=1)

@@ -1,11 +1,15 @@
 """`mori demo`: the whole stack on one machine, no GPU: two emulated replicas, the router,
-and a closed-loop replay of the committed agent corpus, once per policy (MORI and the
-ThunderAgent+offload baseline by default), then the results side by side with MORI's ratios.
+and a closed-loop replay of the committed agent corpus, once per policy (MORI, the
+ThunderAgent+offload baseline and the SGLang-gateway-like baseline by default), then the
+results side by side with MORI's ratios.
 
 The replicas are `mori emulate` with small KV budgets, so two dozen agent programs do not fit
 on the GPU tier and the policy's tiering decisions show in the numbers. Everything runs
 `--time-scale` times faster than real time (engine clock, tool sleeps and the router's
-timers alike), so a minute of wall time replays several minutes of agent work.
+timers alike), so a minute of wall time replays several minutes of agent work. `--reps N`
+repeats the comparison N times, the policies interleaved (A B C A B C ...) so that a slow
+spell of the machine hits every policy alike, each repetition on its own seed; the report
+gives the mean and range of MORI's ratios.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ FALLBACK_TRACE = ("traces/claude-code-sample.jsonl", 0.05)  # Claude-sized conte
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--duration", type=float, default=45.0, help="wall seconds to replay, per policy"
+        "--duration", type=float, default=45.0, help="wall seconds to replay, per policy and run"
     )
     parser.add_argument("--concurrency", type=int, default=24, help="closed-loop agent programs")
     parser.add_argument(
@@ -48,17 +52,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--policy",
         dest="policies",
         default="mori,ta+o,smg",
-        help="comma list of router policies to compare, each on a fresh stack "
-        f"({', '.join(policy_names())})",
+        help="comma list of router policies to compare, each on a fresh stack; known: "
+        f"{', '.join(policy_names())}",
     )
-    parser.add_argument("--time-scale", type=float, default=5.0, help="speed-up over real time")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="run the comparison this many times, policies interleaved, seeds --seed, "
+        "--seed + 1, ...; the report shows means and the range of MORI's ratios",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=5.0,
+        help="speed-up over real time (engines, tool calls, router timers)",
+    )
     parser.add_argument("--trace", help="trace corpus (default: the committed generated one)")
-    parser.add_argument("--token-scale", type=float, help="multiply token counts (default 0.25)")
-    parser.add_argument("--gpu-tokens", type=int, default=16000, help="device KV per replica")
-    parser.add_argument("--host-tokens", type=int, default=32000, help="host KV per replica")
+    parser.add_argument(
+        "--token-scale",
+        type=float,
+        help="multiply the trace's token counts (default 0.25 for the generated corpus)",
+    )
+    parser.add_argument("--gpu-tokens", type=int, default=16000, help="GPU KV tokens per replica")
+    parser.add_argument(
+        "--host-tokens", type=int, default=32000, help="host (DRAM) KV tokens per replica"
+    )
     parser.add_argument("--replicas", type=int, default=2, help="emulated replicas")
-    parser.add_argument("--out", default="out/demo", help="where the JSON/CSV/plots go")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="out/demo", help="where the JSON/CSV/plots and logs go")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="corpus order and start jitter of the first run"
+    )
     parser.add_argument(
         "--wide", action="store_true", help="results table with every metric (over 80 columns)"
     )
@@ -98,9 +122,16 @@ class Stack:
         self.urls: dict[str, str] = {}
 
     def start(self, name: str, argv: list[str], url: str, env: dict | None = None) -> None:
+        """`mori ARGV` as process `name`, once `url`/health answers."""
+        self.start_command(name, [sys.executable, "-m", "router.cli", *argv], url, env)
+
+    def start_command(
+        self, name: str, command: list[str], url: str, env: dict | None = None
+    ) -> None:
+        """Any server (a benchmark's external gateway) as process `name`, once it is up."""
         log = (self.logs / f"{name}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", *argv],
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
@@ -206,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        if args.reps < 1:
+            raise ValueError("--reps must be at least 1")
         trace, token_scale = pick_trace(args.trace, args.token_scale)
         corpus = load_trace(trace)
         config = ReplayConfig(
@@ -221,19 +254,18 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, TraceError, ValueError) as e:
         console.print(f"[red]mori demo: {e}[/red]")
         return 2
-    console.print(
-        f"[bold]mori demo[/bold]: {args.replicas} emulated replicas "
-        f"({args.gpu_tokens} GPU + {args.host_tokens} host KV tokens each), "
-        f"{args.concurrency} programs from {trace.name} (tokens x{config.token_scale:g}), "
-        f"{args.duration:g} s at x{args.time_scale:g} speed per policy: {', '.join(policies)}"
-    )
+    _introduce(args, trace, config, console)
+    runs = [(rep, policy) for rep in range(args.reps) for policy in policies]  # interleaved
     try:
         with _sigterm_as_interrupt():
             results = []
-            for i, policy in enumerate(policies):
-                keep = args.keep_running and i == len(policies) - 1
-                config = dataclasses.replace(config, policy_label=policy)
-                result = _demo_policy(args, policy, corpus, config, console, keep)
+            for i, (rep, policy) in enumerate(runs):
+                keep = args.keep_running and i == len(runs) - 1
+                run_config = dataclasses.replace(config, policy_label=policy, seed=args.seed + rep)
+                label = (
+                    f"run {rep + 1}/{args.reps}, seed {run_config.seed}: " if args.reps > 1 else ""
+                )
+                result = _demo_policy(args, policy, corpus, run_config, console, keep, label)
                 if result is None:  # --keep-running: the stack was held until it stopped
                     return 1
                 results.append(result)
@@ -247,6 +279,29 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _introduce(
+    args: argparse.Namespace,
+    trace: Path,
+    config: ReplayConfig,
+    console: Console,
+) -> None:
+    """What is about to run and on which clock (the policies in words follow the results)."""
+    reps = f", {args.reps} runs interleaved" if args.reps > 1 else ""
+    console.print(
+        f"[bold]mori demo[/bold]: {args.replicas} emulated replicas "
+        f"({args.gpu_tokens} GPU + {args.host_tokens} host KV tokens each), "
+        f"{args.concurrency} agent programs from {trace.name} "
+        f"(tokens x{config.token_scale:g}), one fresh stack per policy{reps}."
+    )
+    trace_s = args.duration * args.time_scale
+    console.print(
+        f"Time: engines, tool calls and router timers run x{args.time_scale:g} faster than "
+        f"real time, so each {args.duration:g} s wall-clock run replays {trace_s:g} s of agent "
+        "work; tok/s and TTFT are on that trace clock (what a real-time run would show).",
+        highlight=False,
+    )
+
+
 def _demo_policy(
     args: argparse.Namespace,
     policy: str,
@@ -254,14 +309,17 @@ def _demo_policy(
     config: ReplayConfig,
     console: Console,
     keep_running: bool,
+    label: str = "",
 ) -> RunResult | None:
     """One policy on a fresh stack (engines matched to it); None if held up until stopped."""
     logs = Path(args.out) / "logs" / policy
+    if args.reps > 1:
+        logs = logs / f"seed{config.seed}"
     logs.mkdir(parents=True, exist_ok=True)
     stack = Stack(logs, console)
     try:
         router = start_stack(args, policy, stack)
-        console.print(f"[bold]{policy}[/bold]: router up at {router} (logs in {logs})")
+        console.print(f"{label}[bold]{policy}[/bold]: router up at {router} (logs in {logs})")
         result = replay_with_progress(
             corpus, dataclasses.replace(config, endpoint=router), console, show_table=False
         )
@@ -289,7 +347,17 @@ def _report(
     results: list[RunResult], args: argparse.Namespace, trace: Path, console: Console
 ) -> None:
     """The policies side by side, MORI's ratios, and the JSON/CSV/plots."""
-    title = f"mori demo: {args.concurrency} programs, {trace.name}"
-    print_results(console, results, title, args.wide)
-    for path in write_reports(results, Path(args.out) / "demo.json", title, {"trace": str(trace)}):
+    print_results(console, results, trace.name, args.wide)  # the table adds cell and runs
+    meta = {
+        "trace": str(trace),
+        "reps": args.reps,
+        "seeds": sorted({r.extra.get("seed") for r in results}),
+        "time_scale": args.time_scale,
+        "wall_s_per_run": args.duration,
+        "replicas": args.replicas,
+        "gpu_tokens": args.gpu_tokens,
+        "host_tokens": args.host_tokens,
+    }
+    plots_title = f"mori demo: {trace.name}"
+    for path in write_reports(results, Path(args.out) / "demo.json", plots_title, meta):
         console.print(f"wrote {path}")

@@ -11,16 +11,40 @@ import asyncio
 import logging
 import sys
 
-from router.config import ConfigError, load_config, parse_settings
+from router.config import ConfigError, RouterConfig, load_config, parse_settings
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML settings (see configs/router.yaml)")
-    parser.add_argument("--replicas", metavar="URL[,URL...]", help="engine replica base URLs")
-    parser.add_argument("--host", help="listen address (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, help="listen port (default 8000)")
-    parser.add_argument("--policy", help="placement policy (default mori; see docs/policy.md)")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    # The flags' own defaults are None (a flag left out leaves the file and the environment
+    # alone); the help shows the setting's default.
+    default = RouterConfig.model_fields
+    parser.epilog = "Settings: defaults < --config FILE < MORI_<FIELD> env vars < flags."
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML settings, e.g. configs/router.yaml (default: none)"
+    )
+    parser.add_argument(
+        "--replicas",
+        metavar="URL[,URL...]",
+        help="engine replica base URLs (default: none; give them here, in the file or in "
+        "MORI_REPLICAS)",
+    )
+    parser.add_argument(
+        "--host",
+        help="listen address; 0.0.0.0: every interface, so set api_keys and admin_key "
+        f"(default: {default['host'].default})",
+    )
+    parser.add_argument(
+        "--port", type=int, help=f"listen port (default: {default['port'].default})"
+    )
+    parser.add_argument(
+        "--policy",
+        help=f"placement policy, see docs/policy.md (default: {default['policy'].default})",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help=f"(default: {default['log_level'].default})",
+    )
     parser.add_argument(
         "--set",
         dest="settings",
@@ -33,7 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--time-scale",
         type=float,
         help="divide the router's timers (tick, hint sync, lease, gate timeout) by this: "
-        "match `mori replay --time-scale` and the engines' speed-up (default 1)",
+        f"match `mori replay --time-scale` and the engines' speed-up "
+        f"(default: {default['time_scale'].default:g})",
     )
 
 

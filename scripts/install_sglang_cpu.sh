@@ -97,7 +97,11 @@ rm -rf "$VENV/mori-cpu-shim" && cp -r "$SHIM" "$VENV/mori-cpu-shim"
 find "$VENV/mori-cpu-shim" -name __pycache__ -prune -exec rm -rf {} +
 echo "$VENV/mori-cpu-shim" > "$SITE/mori-cpu-shim.pth"
 
-"$VENV/bin/python" - <<'EOF'
+# -P: the check sees the venv alone. Without it the working directory is on sys.path, and in a
+# checkout installed with `pip install -e .` its mori.egg-info lists the `mori` entry point a
+# second time (the check printed "plugins ['mori', 'mori']"; SGLang keys plugins by name, so
+# the server loaded it once either way).
+"$VENV/bin/python" -P - <<'EOF'
 import importlib.metadata as m
 import torch
 assert torch.version.cuda is None, f"CUDA torch slipped in: {torch.__version__}"

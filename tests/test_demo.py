@@ -10,7 +10,8 @@ import time
 
 import httpx
 
-from router.replay.report import JSON_FIELDS
+from router.cli import build_parser
+from router.replay.report import JSON_FIELDS, POLICY_WORDS
 from tests.servers import mori
 
 
@@ -22,27 +23,54 @@ def _no_listener(url: str) -> bool:
     return False
 
 
-def test_short_demo_compares_policies_and_stops_its_servers(tmp_path):
-    argv = mori("demo", "--duration", "6", "--concurrency", "6", "--out", str(tmp_path))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+POLICIES = ["mori", "smg", "continuum"]
+
+
+def test_short_demo_compares_policies_interleaved_and_stops_its_servers(tmp_path):
+    argv = mori(
+        "demo", "--duration", "3", "--concurrency", "6", "--policies", ",".join(POLICIES),
+        "--reps", "2", "--out", str(tmp_path),
+    )  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "demo.json").read_text())
-    rows = {row["policy"]: row for row in report["results"]}
-    assert set(rows) == {"mori", "ta+o", "smg"}  # the default comparison
-    for row in rows.values():
+    runs = [(row["policy"], row["seed"]) for row in report["results"]]
+    assert sorted(runs) == sorted((p, seed) for p in POLICIES for seed in (0, 1))
+    for row in report["results"]:
         assert set(JSON_FIELDS) <= set(row) and row["concurrency"] == 6
         assert row["output_tok_s"] > 0 and row["steps_s"] > 0 and row["failed_steps"] == 0
         assert 0 < row["hit_device"] + row["hit_host"] <= 1
-    assert sorted(r["versus"] for r in report["ratios"]) == ["smg", "ta+o"]
-    assert "mori relative to each policy" in done.stdout
-    assert (tmp_path / "demo.csv").is_file() and (tmp_path / "demo-throughput.png").is_file()
-    for policy in rows:
-        logs = tmp_path / "logs" / policy
-        router_log = (logs / "router.log").read_text()
-        for name in ("replica0", "replica1"):
-            first = (logs / f"{name}.log").read_text().splitlines()[0]
-            url = first.split(" on ")[1].split()[0]
-            assert _no_listener(url + "/health"), f"{name} still up after the demo: {router_log}"
+    summary = {r["versus"]: r for r in report["ratio_summary"]}
+    assert set(summary) == {"smg", "continuum"}
+    assert all(r["runs"] == 2 and r["throughput_ratio"]["mean"] > 0 for r in summary.values())
+    # interleaved: A B C A B C
+    started = [ln.split(": router up")[0].split()[-1] for ln in done.stdout.splitlines()
+               if ": router up" in ln]  # fmt: skip
+    assert started == POLICIES * 2, done.stdout
+    # what a newcomer reads: the clock, the policies in words, units, all within 80 columns
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80, done.stdout
+    assert "x5 faster than real time" in done.stdout and "trace clock" in done.stdout
+    assert all(POLICY_WORDS[p] in done.stdout for p in POLICIES), done.stdout
+    assert "TTFT s" in done.stdout and "GPU KV" in done.stdout and "churn" in done.stdout
+    text = " ".join(done.stdout.split())  # titles wrap at 80 columns
+    assert "mean of 2 runs" in text and "mori relative to each policy" in text
+    for name in ("demo.csv", "demo-throughput.png", "demo-ttft.png", "demo-ttft-p99.png"):
+        assert (tmp_path / name).is_file(), name
+    for policy in POLICIES:
+        for seed in (0, 1):
+            logs = tmp_path / "logs" / policy / f"seed{seed}"
+            router_log = (logs / "router.log").read_text()
+            for name in ("replica0", "replica1"):
+                first = (logs / f"{name}.log").read_text().splitlines()[0]
+                url = first.split(" on ")[1].split()[0]
+                assert _no_listener(url + "/health"), (
+                    f"{name} still up after the demo: {router_log}"
+                )
+
+
+def test_demo_defaults_compare_mori_with_both_baselines():
+    args = build_parser("demo").parse_args(["demo"])
+    assert args.policies == "mori,ta+o,smg" and args.reps == 1 and args.seed == 0
 
 
 def test_demo_rejects_unknown_policy(tmp_path):
@@ -53,6 +81,10 @@ def test_demo_rejects_unknown_policy(tmp_path):
         timeout=30,
     )
     assert done.returncode == 2 and "unknown policy 'nope'" in done.stdout
+    done = subprocess.run(
+        mori("demo", "--reps", "0", "--out", str(tmp_path)), capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--reps must be at least 1" in done.stdout
 
 
 def test_keep_running_stack_stops_on_interrupt(tmp_path):

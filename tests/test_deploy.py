@@ -31,6 +31,8 @@ from engine_patches.launch import REQUIRED, build_argv
 from engine_patches.plugin import SUPPORTED
 from router.cli import build_parser
 from router.config import RouterConfig, load_config
+from router.replay.corpus import scale_program
+from router.replay.trace import load_trace
 from tests.servers import free_port, mori, spawn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,6 +223,22 @@ def test_mori_commands_parse_with_the_real_cli(kind: str, env: str) -> None:
         args = build_parser(argv[0]).parse_args(argv)  # SystemExit(2) on an unknown flag
         if argv[0] == "replay":
             assert (REPO / args.trace).is_file(), f"{name}: {args.trace} not in the image"
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_demo_replay_corpus_fits_the_demo_replicas(env: str) -> None:
+    """Every step the replay service sends (prompt + output, at its token scale) fits a
+    replica's GPU KV budget: a larger one is refused with 400 context_length_exceeded."""
+    services = load_compose("demo", ENVS[env])["services"]
+    args = build_parser("replay").parse_args(argv_of(services["replay"]))
+    budget = min(
+        build_parser("emulate").parse_args(argv_of(s)).gpu_tokens
+        for s in replicas(load_compose("demo", ENVS[env])).values()
+    )
+    corpus = [scale_program(p, args.token_scale) for p in load_trace(REPO / args.trace)]
+    steps = [st for p in corpus for st in p.steps]
+    longest = max(st.input_tokens + st.output_tokens for st in steps)
+    assert longest <= budget, f"{args.trace} x{args.token_scale}: {longest} > {budget} tokens"
 
 
 @pytest.mark.parametrize("env", ENVS)

@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "router.config": {"router.policy", "router.sim"},
     "router.replay": {"router.policy", "router.protocol"},
-    "router.sim": {"router.policy", "router.replay", "router.protocol", "router.wire"},
+    "router.sim": {"router.policy", "router.replay", "router.protocol", "router.wire", "kernels"},
     "engine_patches": {"router.policy", "kernels"},
     "kernels": set(),
 }

@@ -62,6 +62,15 @@ def test_long_tool_with_demand_offloads_and_admits_the_gate():
     assert policy.hint_updates()["r0"]["a"] is Hint.IDLE
 
 
+def test_no_offload_when_the_host_copy_would_not_survive():
+    """HiCache backs every GPU block up to host and keeps those backups: with 1000 host
+    tokens and 900 on the GPU tier, `a`'s 600 tokens cannot stay on host, so an offload
+    would be a recompute in disguise (the CPU tier's own budget would still take it)."""
+    policy = make(cpu=1000)
+    assert crowded(policy) == []
+    assert where(policy, "a") == GPU0 and policy.programs["b"].pending
+
+
 def test_short_tool_is_not_offloaded():
     policy = make()
     assert crowded(policy, a_tool="Read") == []  # 0.5 s < 1.2 s of transfers

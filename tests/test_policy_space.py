@@ -5,7 +5,6 @@ with it, and that it idles without apps."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -16,7 +15,7 @@ from router.policy.runtime import AgentEvent, EventKind, PushPriorities
 from router.policy.space import dynamic_priority, static_priority
 from router.policy.types import MoveReason, Placement, Tier
 from tests.test_policy_mori import make, where
-from tests.test_policy_properties import play, scenario
+from tests.test_policy_properties import play, random_load_moves, scenario
 
 GPU0 = Placement(Tier.GPU, "r0")
 
@@ -158,23 +157,8 @@ def test_without_apps_the_moves_are_the_base_policys(base, space):
     """The same random load (no app_id) through both: identical moves, in order."""
     runs = []
     for name in (base, space):
-        rng = random.Random(7)
         policy = make(name, replicas=2, gpu=3000, cpu=3000)
-        log, busy = [], {}
-        for k in range(400):
-            now = k * 0.5
-            pid = f"p{rng.randrange(24)}"
-            if pid in busy:
-                if policy.route(pid) is not None:
-                    log += policy.on_response(pid, now, busy.pop(pid))
-            else:
-                tokens = rng.randrange(200, 1200)
-                getattr(policy, "observe", print)(AgentEvent(EventKind.REQUEST, now, pid, "r"))
-                log += policy.on_request(pid, now, tokens)
-                busy[pid] = tokens + 50
-            if k % 10 == 0:
-                log += policy.tick(now)
-        runs.append([(m.program_id, m.src, m.dst, m.reason) for m in log])
+        runs.append(random_load_moves(policy, 7))
     assert runs[0] == runs[1] and len(runs[0]) > 50
 
 

@@ -7,9 +7,12 @@ import json
 
 from rich.console import Console
 
+from router.policy import policy_names
 from router.replay.records import RunResult
 from router.replay.report import (
+    POLICY_WORDS,
     print_results,
+    ratio_summary,
     ratio_table,
     ratios,
     results_table,
@@ -34,10 +37,11 @@ KEYS = {
 }
 
 
-def result(policy, conc, ratio, tput, ttft=2.0):
+def result(policy, conc, ratio, tput, ttft=2.0, seed=None):
+    extra = {"preset": "h100-8b"} if seed is None else {"seed": seed}
     return RunResult(
         policy, conc, ratio, tput, tput / 300, ttft, ttft, 3 * ttft, 4 * ttft,
-        0.9, 0.5, 0.3, 0.2, 0.0, extra={"preset": "h100-8b"},
+        0.9, 0.5, 0.3, 0.2, 0.0, extra=extra,
     )  # fmt: skip
 
 
@@ -52,14 +56,16 @@ RESULTS = [
 def test_json_csv_and_plots_are_written(tmp_path):
     paths = write_reports(RESULTS, tmp_path / "out" / "run.json", title="t")
     names = sorted(p.name for p in paths)
-    assert names == ["run-throughput.png", "run-ttft.png", "run.csv", "run.json"]
+    assert names == [
+        "run-throughput.png", "run-ttft-p99.png", "run-ttft.png", "run.csv", "run.json"
+    ]  # fmt: skip
     doc = json.loads((tmp_path / "out" / "run.json").read_text())
     assert len(doc["results"]) == len(RESULTS)
     assert all(set(row) >= KEYS for row in doc["results"])
     assert doc["results"][0]["preset"] == "h100-8b"  # extras flattened into the row
     rows = list(csv.DictReader((tmp_path / "out" / "run.csv").open()))
     assert len(rows) == len(RESULTS) and set(rows[0]) >= KEYS
-    for png in ("run-throughput.png", "run-ttft.png"):
+    for png in ("run-throughput.png", "run-ttft.png", "run-ttft-p99.png"):
         data = (tmp_path / "out" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
 
@@ -69,7 +75,7 @@ def test_ratios_compare_mori_to_every_other_policy_per_cell():
     assert len(rows) == 2 * 2 * 2  # cpu ratios x concurrencies x other policies
     row = next(r for r in rows if r["versus"] == "ta+o" and r["concurrency"] == 80)
     assert row["throughput_ratio"] == 1.5
-    assert row["ttft_ratio"] == 0.5
+    assert row["ttft_ratio"] == 0.5 and row["ttft_p99_ratio"] == 0.5
     assert ratios([r for r in RESULTS if r.policy != "mori"]) == []
 
 
@@ -78,7 +84,7 @@ def test_tables_render():
     console.print(results_table(RESULTS, "cells", wide=True))
     console.print(ratio_table(RESULTS))
     text = console.export_text()
-    assert "ta+o" in text and "1.50x" in text and "out tok/s" in text and "TTFT p50" in text
+    assert "ta+o" in text and "1.50x" in text and "tok/s" in text and "p50" in text
 
 
 def test_default_tables_fit_80_columns_untruncated():
@@ -88,11 +94,66 @@ def test_default_tables_fit_80_columns_untruncated():
     text = console.export_text()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
     assert "1234.5" in text and "mori+predict" in text and "1.50x" in text
-    assert "TTFT p50" not in text  # `--wide` adds the rest
+    assert "p50" not in text and "churn" in text  # `--wide` adds the rest
 
 
 def test_wide_tables_are_not_cut_at_80_columns():
     console = Console(record=True, width=80)
     print_results(console, RESULTS, "cells", wide=True)
     text = console.export_text()
-    assert "…" not in text and "TTFT p50" in text and "churn" in text
+    assert "…" not in text and "p50" in text and "abnormal" in text
+
+
+# A demo with --reps 3: the policies interleaved, one seed per repetition.
+REPS = [
+    result(policy, 24, 2.0, tput + gain * seed, ttft, seed=seed)
+    for seed in (0, 1, 2)
+    for policy, tput, gain, ttft in (
+        ("mori", 500, 30, 2.0), ("smg", 450, 0, 4.0), ("continuum", 480, 0, 3.0)
+    )
+]  # fmt: skip
+
+
+def test_repeated_runs_pair_by_seed_and_summarise_mean_and_range():
+    rows = ratios(REPS)
+    assert len(rows) == 3 * 2 and {r["seed"] for r in rows} == {0, 1, 2}
+    (smg,) = [r for r in ratio_summary(rows) if r["versus"] == "smg"]
+    expected = [(500 + 30 * s) / 450 for s in (0, 1, 2)]
+    assert smg["runs"] == 3
+    assert smg["throughput_ratio"]["min"] == min(expected)
+    assert smg["throughput_ratio"]["max"] == max(expected)
+    assert abs(smg["throughput_ratio"]["mean"] - sum(expected) / 3) < 1e-12
+
+
+def test_repeated_runs_print_means_and_ratio_ranges_within_80_columns():
+    console = Console(record=True, width=160)  # a pipe: report.console() is 160 wide
+    print_results(console, REPS, "demo", wide=False)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "mean of 3 runs" in text and "24 programs" in text and "CPU ratio 2" in text
+    assert "530.0" in text  # mori's mean over the seeds (500, 530, 560)
+    assert f"{530 / 450:.2f}x ({500 / 450:.2f}-{560 / 450:.2f})" in text
+    assert "conc" not in text  # one cell: its coordinates are in the title, not a column
+
+
+def test_written_reports_keep_every_run_and_the_ratio_summary(tmp_path):
+    write_reports(REPS, tmp_path / "demo.json")
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert len(doc["results"]) == len(REPS)
+    assert {(r["versus"], r["runs"]) for r in doc["ratio_summary"]} == {
+        ("smg", 3),
+        ("continuum", 3),
+    }
+    assert len(list(csv.DictReader((tmp_path / "demo.csv").open()))) == len(REPS)
+
+
+def test_the_legend_names_every_policy_in_words():
+    assert set(POLICY_WORDS) == set(policy_names())
+    longest = max(map(len, POLICY_WORDS))
+    assert all(2 + longest + 2 + len(words) <= 80 for words in POLICY_WORDS.values())
+    console = Console(record=True, width=160)
+    print_results(console, REPS, "demo", wide=False)
+    text = console.export_text()
+    for policy in ("mori", "smg", "continuum"):
+        assert POLICY_WORDS[policy] in text
+    assert "trace clock" in text

@@ -9,6 +9,8 @@ import pytest
 from router.policy.predictor import MIN_DIST_SAMPLES, DurationPredictor
 from router.policy.prices import QuantileTracker, ReplicaPrices
 from router.policy.residual import DurationDistribution
+from router.sim.model import CostModel
+from router.sim.presets import get_preset
 
 
 def filled(samples) -> DurationDistribution:
@@ -79,10 +81,33 @@ def test_quantile_tracker_settles_at_its_quantile():
     assert tracker.value == pytest.approx(2.0, rel=0.2)
 
 
+FLAT = 1e15  # attention_tokens at which a prefill costs the same per token at any context
+
+
+def test_a_large_contexts_recompute_is_priced_from_small_steps():
+    """Every sample comes from a small program (2-8k tokens cached, 1k new); the price of
+    recomputing a 60k-token context (attention over it is 4x the weights' work on the
+    30B-MoE preset) follows the cost model within 10 %; a flat per-token price learnt from
+    the same samples is off by more than 2x."""
+    preset = get_preset("h200-30b-moe")
+    model = CostModel(preset)
+    rng = random.Random(7)
+    growing = ReplicaPrices.starting(1e-6, 1e-6, attention_tokens=preset.attention_tokens)
+    flat = ReplicaPrices.starting(1e-6, 1e-6, attention_tokens=FLAT)
+    for _ in range(3000):
+        prefix = rng.randint(2000, 8000)
+        ttft = model.prefill_s(1000, prefix)
+        growing.observe(prefix + 1000, prefix, 0, ttft)
+        flat.observe(prefix + 1000, prefix, 0, ttft)
+    truth = model.prefill_s(60_000, 0)
+    assert growing.recompute_s(60_000) == pytest.approx(truth, rel=0.1)
+    assert flat.recompute_s(60_000) < truth / 2
+
+
 def test_prices_follow_unqueued_requests_not_queued_ones():
     """Queueing only adds to a request's time to first token: the low quantile finds the
     engine's prefill price under a mix of fast and slow samples."""
-    prices = ReplicaPrices.starting(prefill_s_per_token=1e-3, load_s_per_token=1e-3)
+    prices = ReplicaPrices.starting(1e-3, 1e-3, attention_tokens=FLAT)
     rng = random.Random(4)
     for _ in range(3000):
         queued = rng.random() < 0.7
@@ -92,7 +117,7 @@ def test_prices_follow_unqueued_requests_not_queued_ones():
 
 
 def test_load_price_is_learned_from_host_hits():
-    prices = ReplicaPrices.starting(prefill_s_per_token=1e-4, load_s_per_token=1e-3)
+    prices = ReplicaPrices.starting(1e-4, 1e-3, attention_tokens=FLAT)
     for _ in range(3000):
         prices.observe(20_000, 1000, 18_000, ttft_s=1000 * 1e-4 + 18_000 * 2e-6)
     assert prices.reload_s(1_000_000) == pytest.approx(2.0, rel=0.3)
@@ -100,7 +125,7 @@ def test_load_price_is_learned_from_host_hits():
 
 
 def test_prices_ignore_samples_that_say_nothing():
-    prices = ReplicaPrices.starting(prefill_s_per_token=1e-4, load_s_per_token=1e-5)
+    prices = ReplicaPrices.starting(1e-4, 1e-5, attention_tokens=FLAT)
     before = (prices.prefill.value, prices.load.value)
     prices.observe(100, 0, 0, 5.0)  # too short a prefill to price
     prices.observe(5000, 4990, 0, 5.0)  # all cached on device

@@ -17,7 +17,9 @@ TICK_S = 0.2
 
 
 def _sized(program_id: str, tokens: int) -> dict:
-    return chat(program_id, "word " * (tokens * 4 // 5))  # ~5 chars a word, ~4 a token
+    """A prompt of about `tokens` tokens that shares nothing with another program's (the
+    tiers count a prompt two programs share once, as the engine stores it)."""
+    return chat(program_id, f"{program_id} " + "word " * (tokens * 4 // 5))  # ~4 chars a token
 
 
 @pytest.fixture(scope="module")

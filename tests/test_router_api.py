@@ -42,7 +42,9 @@ BASH_TOOL = {
 
 
 def _big(program_id: str) -> dict:
-    return chat(program_id, "word " * 1600)  # ~8000 chars: ~2000 tokens
+    """~8000 chars (~2000 tokens) that share nothing with another program's prompt (the tiers
+    count a prompt two programs share once, as the engine stores it)."""
+    return chat(program_id, f"{program_id} " + "word " * 1600)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +147,15 @@ def test_completions_and_models(base):
         model="default", prompt="def f():", max_tokens=4, extra_body={"program_id": "cmp-1"}
     )
     assert text.choices[0].text and text.usage.completion_tokens > 0
-    assert c.models.list().data
+    (served,) = c.models.list().data  # the replicas' one model, as the first healthy one lists it
+    # Any `model` name is passed through: the engine serves its one model and echoes the name
+    # asked for, as SGLang does (docs/router.md, "Models").
+    for name in (served.id, "default", "no-such-model"):
+        out = c.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_body={"program_id": "models-1"},
+        )  # fmt: skip
+        assert out.model == name and out.usage.completion_tokens == 2
 
 
 def test_program_id_from_header_and_fingerprint(base):
@@ -375,12 +385,13 @@ def test_tool_start_and_end_endpoints(base):
 @pytest.mark.parametrize("policy", ["mori-priced", "mori-paper", "continuum", "ta", "ta+o", "smg"])
 def test_every_policy_serves(replicas, policy):
     """The shell drives every registered policy the same way (baselines send no hints)."""
+    pid = f"pol-{policy}"  # a router adopts what the shared emulators still hold of others
     with router(replicas, policy=policy) as url:
         c = client(url)
         forced = {"tools": [BASH_TOOL], "tool_choice": "required"}
-        assert c.chat.completions.create(**chat("pol-1"), **forced).choices[0].message.tool_calls
-        chunks = list(c.chat.completions.create(**chat("pol-1", "more"), stream=True))
+        assert c.chat.completions.create(**chat(pid), **forced).choices[0].message.tool_calls
+        chunks = list(c.chat.completions.create(**chat(pid, "more"), stream=True))
         assert chunks and all(ch.usage is None for ch in chunks)
         view = assert_clean(url)  # also lists programs adopted from the shared emulators
-        mine = next(p for p in view["data"] if p["program_id"] == "pol-1")
+        mine = next(p for p in view["data"] if p["program_id"] == pid)
         assert view["policy"] == policy and mine["steps"] == 2

@@ -131,12 +131,13 @@ def test_client_disconnect_while_gated():
     with emulator() as (url, _):
         spec = {"url": url, "gpu_tokens": 3000, "cpu_tokens": 0}
         with router([spec], gate_timeout_s=30.0, policy="mori-paper") as base:
-            big = "word " * 1600
-            client(base).chat.completions.create(**chat("holder", big))
+            big = "word " * 1600  # two programs' prompts share nothing (else counted once)
+            client(base).chat.completions.create(**chat("holder", "holder " + big))
+            leaver = chat("leaver", "leaver " + big)
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(
                     base + "/v1/chat/completions",
-                    json={**chat("leaver", big), **chat("leaver", big)["extra_body"]},
+                    json={**leaver, **leaver["extra_body"]},
                     timeout=0.5,
                 )
             view = assert_clean(base)
@@ -145,7 +146,7 @@ def test_client_disconnect_while_gated():
             assert metric(base, "mori_requests_total", outcome="client_disconnect") == 1
             # the holder's next step and the leaver's (once room exists) still work
             httpx.post(base + "/v1/programs/holder/end").raise_for_status()
-            assert client(base).chat.completions.create(**chat("leaver", big)).choices
+            assert client(base).chat.completions.create(**chat("leaver", "leaver " + big)).choices
 
 
 def test_client_disconnect_mid_stream_aborts_the_engine_request():

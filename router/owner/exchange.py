@@ -18,6 +18,7 @@ from router.engines.replicas import Replica
 from router.owner.controller import Router
 from router.owner.gate import GateTimeout, ProgramEnded
 from router.protocol.link import Outcome, Ticket
+from router.protocol.segments import as_policy
 from router.wire.errors import ApiError
 
 Forward = Callable[[str], Awaitable[Outcome]]
@@ -94,7 +95,9 @@ class Exchange:
                 code="context_length_exceeded",
             )
         r.observe_request(self.ticket)
+        segments = as_policy(self.ticket.segments)
         for _ in range(r.config.max_retries + 1):
+            policy.on_prompt(pid, segments, self.ticket.round)
             try:
                 moves = policy.on_request(pid, r.clock(), tokens)
             except ValueError as e:  # a second request in flight despite the turn lock

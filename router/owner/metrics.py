@@ -46,6 +46,16 @@ class RouterMetrics:
         self.tier_budget = Gauge(
             "mori_tier_budget_tokens", "token budget of the tier", ["replica", "tier"], registry=r
         )
+        self.shared_tokens = Gauge(
+            "mori_shared_tokens",
+            "tokens of shared segments a tier counts once although several programs hold them",
+            ["replica", "tier"],
+            registry=r,
+        )
+        self.rounds = Gauge(
+            "mori_rounds", "All-Gather rounds with two or more programs in them now", registry=r
+        )
+        self.round_programs = Gauge("mori_round_programs", "programs in those rounds", registry=r)
         self.idleness = Histogram(
             "mori_program_idleness",
             "idleness of live programs, observed each tick",
@@ -186,7 +196,12 @@ class RouterMetrics:
                 self.programs.labels(replica, tier.value).set(tiers.count(place))
                 self.tier_tokens.labels(replica, tier.value).set(tiers.used(place))
                 self.tier_budget.labels(replica, tier.value).set(tiers.budget(place))
+                held = sum(p.context_tokens for p in tiers.members(place))
+                self.shared_tokens.labels(replica, tier.value).set(held - tiers.used(place))
             self.replica_healthy.labels(replica).set(1 if tiers.healthy[replica] else 0)
+        live = policy.rounds.live()
+        self.rounds.set(len(live))
+        self.round_programs.set(sum(len(pids) for pids in live.values()))
         waiting = Placement(Tier.WAITING)
         self.programs.labels("-", Tier.WAITING.value).set(tiers.count(waiting))
         self.tier_tokens.labels("-", Tier.WAITING.value).set(

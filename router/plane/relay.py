@@ -103,6 +103,8 @@ class Relay:
                 prepared.anchor if w.anchors else None,
                 prepared.parent,
                 prepared.app,
+                prepared.segments,
+                prepared.round,
             )
             await self._exchange(ticket, prepared, [JSON, *forward])
         except ApiError as e:

@@ -4,9 +4,10 @@ Policies are looked up by name so the router, the simulator and the benchmarks c
 take `--policy NAME` and run every comparison through the same harness.
 
 The pure core of MORI: programs and idleness (`program`), tiers, prices and residual tool
-time, the policies (`mori`, `priced`, `mori_paper`, `cachesage`, `space`, `continuum`,
-`baselines`) and the helpers they share (`types`, `labels`, `stats`). No I/O, an injected
-clock: the same code runs in the live router, the simulator and the tests.
+time, All-Gather rounds (`rounds`), the policies (`mori`, `priced`, `mori_paper`,
+`cachesage`, `space`, `tokendance`, `continuum`, `baselines`) and the helpers they share
+(`types`, `labels`, `stats`). No I/O, an injected clock: the same code runs in the live
+router, the simulator and the tests.
 
 May import: nothing of the project outside `router.policy` (the router's shell, the
 simulator and the replay all import it; it imports none of them).
@@ -25,6 +26,7 @@ REGISTRY: dict[str, str] = {
     "mori+cachesage": "router.policy.cachesage:CacheSagePolicy",
     "mori+space": "router.policy.space:SpacePolicy",
     "mori-priced+space": "router.policy.space:PricedSpacePolicy",
+    "mori+tokendance": "router.policy.tokendance:TokenDancePolicy",
     "continuum": "router.policy.continuum:ContinuumPolicy",
     "ta": "router.policy.baselines:ThunderAgentPolicy",
     "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",

@@ -4,6 +4,7 @@ A policy is pure: it is driven by events carrying `now` (an injected clock) and
 answers with `Move`s; it never sleeps, awaits or does I/O. The live router, the
 simulator and the tests all drive it the same way:
 
+    policy.on_prompt(pid, segments, round_id)             # what the prompt holds (optional)
     moves = policy.on_request(pid, now, prompt_tokens)   # request arrives
     replica = policy.route(pid)                           # None: the gate holds it
     ...                                                   # forward when routed
@@ -21,11 +22,13 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from router.policy.prices import ReplicaPrices
 from router.policy.program import Program
+from router.policy.rounds import Rounds
 from router.policy.tiers import Tiers
 from router.policy.types import (
     WAITING,
@@ -35,6 +38,7 @@ from router.policy.types import (
     MoveReason,
     Placement,
     ReplicaCapacity,
+    Segment,
     Status,
     Tier,
 )
@@ -58,8 +62,14 @@ class PolicyConfig:
     # a request held this long goes first and may displace; 0: off; None: the policy's
     # default (mori: on, see docs/policy.md "Aging"; mori-paper: off)
     aging_s: float | None = None
-    prefill_s_per_token: float = 5e-5  # recompute price before measurements (replica preset)
+    prefill_s_per_token: float = 5e-5  # recompute price per token at no context, before
+    # measurements (replica preset); it grows with context past `attention_tokens` (the
+    # context at which attention costs as much as the weights: Llama-3.1-8B's by default)
+    attention_tokens: float = 30_000.0
     displace_margin: float = 1.0  # mori: a move pays if expected idle >= margin x its cost
+    # mori: a returning program waits for its own replica until its wait reaches this
+    # multiple of the recompute another replica would cost (ski rental; 0: no affinity)
+    home_wait: float = 30.0
     # mori+space (Tokencake §5): critical agent types and their reserved GPU room
     critical_ratio: float = 0.3  # share of the live agent types that are critical
     # static priority (depth x out-degree) weight; the dynamic term of a request waiting
@@ -70,6 +80,15 @@ class PolicyConfig:
     gpu_usage_low: float = 0.6  # ... and at which it shrinks
     reserve_step: float = 0.05  # pool change per update, as a share of the GPU budget
     reserve_max: float = 0.2  # the largest pool, as a share of the GPU budget
+    # mori+tokendance (TokenDance's KV Collector, exact): a round's requests are released
+    # together once every expected member has arrived, or this long after the last one did
+    round_gang_s: float = 0.1
+    # a round that waited this many x the rounds' mean service time may make rounds that
+    # hold GPU room between their own rounds yield it (round-robin at round boundaries)
+    round_yield_x: float = 1.0
+    # a round's agents are placed on one replica when they share at least this share of
+    # their contexts (segments another member holds too); else one by one, as MORI would
+    round_share_min: float = 0.5
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}
@@ -92,6 +111,8 @@ class Policy(ABC):
         self.last_tool: dict[str, tuple[str, str | None]] = {}  # program -> (tool, agent role)
         self.prices: dict[str, ReplicaPrices] = {}  # replica -> measured move costs
         self._leases: list[tuple[float, str]] = []  # (last activity, program): lease expiry
+        self.rounds = Rounds()  # All-Gather rounds and the segments their prompts share
+        self._prompts: dict[str, tuple[tuple[Segment, ...], str | None]] = {}  # next request's
 
     @property
     def engine_mode(self) -> EngineMode:
@@ -103,7 +124,11 @@ class Policy(ABC):
         self.tiers.add_replica(replica, capacity)
         self.prices.setdefault(
             replica,
-            ReplicaPrices.starting(self.config.prefill_s_per_token, self.config.load_s_per_token),
+            ReplicaPrices.starting(
+                self.config.prefill_s_per_token,
+                self.config.load_s_per_token,
+                self.config.attention_tokens,
+            ),
         )
 
     def observe_step(
@@ -147,6 +172,15 @@ class Policy(ABC):
         return moves
 
     # program events ---------------------------------------------------------------
+    def on_prompt(
+        self, program_id: str, segments: Sequence[Segment], round_id: str | None = None
+    ) -> None:
+        """What the next request of `program_id` holds (the shell calls it just before
+        `on_request`): its prompt's segments, one per message, and its round if the
+        application names one. `on_request` then counts the segments the engine shares
+        once per replica (`Tiers.share`) and files the program in its round (`Rounds`)."""
+        self._prompts[program_id] = (tuple(segments), round_id)
+
     def on_request(
         self, program_id: str, now: float, context_tokens: int | None = None
     ) -> list[Move]:
@@ -163,6 +197,10 @@ class Policy(ABC):
         p.arrive(now)
         if context_tokens is not None:
             self.tiers.resize(p, int(context_tokens))
+        prompt = self._prompts.pop(program_id, None)
+        if prompt is not None:
+            self.tiers.share(p, prompt[0])
+            self.rounds.join(program_id, prompt[0], prompt[1], now)
         self._held.pop(program_id, None)  # re-queue at the back: arrival order is FIFO order
         self._held[program_id] = p
         return self._admit(p, now)
@@ -207,6 +245,8 @@ class Policy(ABC):
         self._held.pop(program_id, None)
         p.pending = False  # a request it had at the gate is answered by the shell, not placed
         self.last_tool.pop(program_id, None)
+        self._prompts.pop(program_id, None)
+        self.rounds.forget(program_id)
         move = self._move(p, WAITING, reason, now) if p.placement.tier is not Tier.WAITING else None
         if move is None and p.last_replica is not None:
             self._pending_hints[p.last_replica][program_id] = Hint.INACTIVE
@@ -304,6 +344,26 @@ class Policy(ABC):
             "recent_cycles": [{"reasoning_s": r, "acting_s": a} for r, a in p.cycles],
             "last_tool": tool,
             "agent": agent,
+            **self._describe_round(program_id),
+        }
+
+    def _describe_round(self, program_id: str) -> dict[str, Any]:
+        """The program's round: its id, members, and the segments they share (exact: one
+        prefix, stored once per replica; gathered: the same blocks at other offsets)."""
+        rnd = self.rounds.round_of(program_id)
+        if rnd is None:
+            return {"round": None}
+        exact, gathered = self.rounds.shared(rnd)
+        return {
+            "round": {
+                "round_id": rnd.round_id,
+                "explicit": rnd.explicit,
+                "members": list(rnd.members),
+                "shared_tokens": sum(s.tokens for s in exact),
+                "shared_segments": [s.chain for s in exact],
+                "gathered_tokens": sum(s.tokens for s in gathered),
+                "gathered_segments": [s.content for s in gathered],
+            }
         }
 
     # for subclasses ---------------------------------------------------------------
@@ -340,9 +400,12 @@ class Policy(ABC):
         self._marked.setdefault(p.placement.replica, {})[p.program_id] = p  # type: ignore[arg-type]
 
     def _clear_marks(self, replica: str) -> None:
-        """Forget replica's lazy demotions, so a rebalance can re-mark just what it needs."""
+        """Forget replica's lazy demotions, so a rebalance can re-mark just what it needs
+        (an entry of a program that has moved to another replica since is stale: a mark
+        it got there is not this replica's to clear)."""
         for p in self._marked.pop(replica, {}).values():
-            p.demote_after_step = None
+            if p.placement.replica == replica:
+                p.demote_after_step = None
 
     def _release(self, p: Program, now: float) -> None:
         """Let a gated request through to its program's GPU replica (no move needed)."""

@@ -145,13 +145,13 @@ class ThunderAgentPolicy(Policy):
             if excess <= 0:
                 break
             if p.status is Status.ACTING:
-                excess -= self.cost(p)
+                excess -= self.tiers.freed_by(p) + TA_PROGRAM_OVERHEAD
                 moves.append(self._move(p, WAITING, MoveReason.PAUSE, now))
         for p in members:
             if excess <= 0:
                 break
             if p.status is Status.REASONING:
-                excess -= self.cost(p)
+                excess -= self.tiers.freed_by(p) + TA_PROGRAM_OVERHEAD
                 self._mark_lazy(p, WAITING)
         return moves
 

@@ -182,10 +182,10 @@ class ContinuumPolicy(Policy):
                 if excess <= 0:
                     break
                 if p.status is Status.ACTING and not p.pending:
-                    excess -= p.context_tokens
+                    excess -= self.tiers.freed_by(p)
                     moves += self._unpin(p, now)
                 elif p.status is Status.REASONING:
-                    excess -= p.context_tokens
+                    excess -= self.tiers.freed_by(p)
                     self._mark_lazy(p, WAITING)
         return moves + self._schedule(now)
 

@@ -145,8 +145,8 @@ class MoriPolicy(PricedPolicy):
             return []
         benefit, cost = self.offload_benefit(p, self.calls[program_id].predicted_s)
         cpu = Placement(Tier.CPU, p.placement.replica)
-        if benefit <= cost or not self.tiers.fits(cpu, p.context_tokens):
-            return []
+        if benefit <= cost or self._fit_or_waiting(cpu, p) != cpu:
+            return []  # an offload whose host copy would not survive is a recompute
         self.outcomes["offload_at_tool_start"] += 1
         return [self._move(p, cpu, MoveReason.OFFLOAD_TOOL, now)] + self._promote(now)
 

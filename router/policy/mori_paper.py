@@ -129,7 +129,9 @@ class MoriPaperPolicy(Policy):
     def _admit(self, p: Program, now: float) -> list[Move]:
         if p.placement.tier is Tier.GPU:
             self._release(p, now)
-            return []
+            # its new prompt may share more with the tier than its last (Tiers.share): room
+            # a held request can use at once (the fast path answers in O(replicas) if none)
+            return self._promote(now)
         self._smallest.push(p)
         return [
             replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
@@ -198,7 +200,7 @@ class MoriPaperPolicy(Policy):
         for p in acting:
             if excess <= 0:
                 break
-            excess -= p.context_tokens
+            excess -= self.tiers.freed_by(p)
             moves.append(self._move(p, self._fit_or_waiting(cpu, p), MoveReason.DEMOTE, now))
         reasoning = sorted(
             (p for p in members if p.status is Status.REASONING), key=idleness, reverse=True
@@ -206,7 +208,7 @@ class MoriPaperPolicy(Policy):
         for p in reasoning:
             if excess <= 0:
                 break
-            excess -= p.context_tokens
+            excess -= self.tiers.freed_by(p)
             self._mark_lazy(p, cpu)
         return moves
 
@@ -220,7 +222,7 @@ class MoriPaperPolicy(Policy):
         for p in sorted(self.tiers.members(cpu), key=self._ranking(now), reverse=True):
             if excess <= 0:
                 break
-            excess -= p.context_tokens
+            excess -= self.tiers.freed_by(p)
             moves.append(self._move(p, WAITING, MoveReason.CPU_OVERFLOW, now))
         return moves
 
@@ -258,7 +260,7 @@ class MoriPaperPolicy(Policy):
         held, swaps = self._promote_aged(held, free, victims, now, displace, moves)
         on_cpu, returning, new = [], [], []
         for p in held:
-            if p.placement.tier is Tier.CPU:
+            if p.placement.tier is Tier.CPU and not self._may_leave_home(p, now):
                 if p.placement.replica in free:
                     on_cpu.append(p)
             elif p.steps > 0:
@@ -360,22 +362,24 @@ class MoriPaperPolicy(Policy):
     def _place_cpu(self, p: Program, free: dict[str, int], now: float, moves: list[Move]) -> bool:
         """Back onto its own replica's GPU tier if it fits there (the KV is in its host tier)."""
         r = p.placement.replica
-        if p.context_tokens > free[r]:
+        need = self.tiers.need(p, Placement(Tier.GPU, r))  # shared segments held there: once
+        if need > free[r]:
             return False
-        free[r] -= p.context_tokens
+        free[r] -= need
         moves.append(self._move(p, Placement(Tier.GPU, r), MoveReason.PROMOTE_CPU, now))
         return True
 
     def _place_waiting(
         self, p: Program, free: dict[str, int], now: float, moves: list[Move]
     ) -> bool:
-        """Last replica if it fits (its host tier may still hold the KV), else most room."""
-        r = p.last_replica
-        if r not in free or p.context_tokens > free[r]:
-            r = max(free, key=free.__getitem__)
-            if p.context_tokens > free[r]:
-                return False
-        free[r] -= p.context_tokens
+        """The first of its target replicas it fits on (`_replicas_for`: the paper's last
+        replica, whose host tier may still hold the KV, then the one with most room); what it
+        needs there counts the shared segments the replica holds already once (Tiers.need)."""
+        gpu = {r: self.tiers.need(p, Placement(Tier.GPU, r)) for r in free}
+        r = next((r for r in self._replicas_for(p, free, now) if gpu[r] <= free[r]), None)
+        if r is None:
+            return False
+        free[r] -= gpu[r]
         reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
         moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
         return True
@@ -397,13 +401,22 @@ class MoriPaperPolicy(Policy):
         for p in ranked:
             if victims.threshold(p) > victims.most_idle(order):
                 return
-            tries = [p.last_replica, *order] if p.last_replica in free else order
-            for r in tries:
+            for r in self._replicas_for(p, free, now):
                 swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
                 if swap:
                     moves += swap
                     order.sort(key=free.__getitem__, reverse=True)
                     break
+
+    def _replicas_for(self, p: Program, free: dict[str, int], now: float) -> list[str]:
+        """Replicas a held WAITING (or home-leaving CPU) request may be placed on, in the
+        order tried (a hook: `mori-priced` keeps a returning program on its own replica)."""
+        return _affine_first(p, free)
+
+    def _may_leave_home(self, p: Program, now: float) -> bool:
+        """Whether a held CPU-tier request may be placed on another replica than the one
+        holding its KV (the paper: never; a hook for `mori-priced`)."""
+        return False
 
     def _displace(
         self,
@@ -420,11 +433,13 @@ class MoriPaperPolicy(Policy):
         chosen = victims.take(replica, p, p.context_tokens - free[replica], aged)
         if not chosen:
             return []
-        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
+        gpu = Placement(Tier.GPU, replica)
+        before = self.tiers.used(gpu)  # the change, not a sum: shared segments count once
+        moves = [self._move(p, gpu, reason, now)]
         cpu = Placement(Tier.CPU, replica)
         for v in chosen:  # after p left CPU(replica), so its room is usable by victims
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += sum(v.context_tokens for v in chosen) - p.context_tokens
+        free[replica] -= self.tiers.used(gpu) - before
         return moves
 
 
@@ -464,7 +479,7 @@ class _VictimPool:
             )
             prefix = [0]
             for _, q in ranked:
-                prefix.append(prefix[-1] + q.context_tokens)
+                prefix.append(prefix[-1] + self._policy.tiers.freed_by(q))
             pool = self._pools[replica] = ([q for _, q in ranked], [i for i, _ in ranked], prefix)
             self._start[replica] = 0
         return pool

@@ -25,15 +25,16 @@ choice). Requests held past `aging_s` go first and may move any ACTING program.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from bisect import insort
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
 from router.policy.base import PolicyConfig
-from router.policy.mori_paper import MoriPaperPolicy
+from router.policy.mori_paper import Classes, Idleness, MoriPaperPolicy, _VictimPool
 from router.policy.predictor import DurationPredictor
 from router.policy.program import Program
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
@@ -76,6 +77,8 @@ class PricedPolicy(MoriPaperPolicy):
         self._victims = _Victims(self)
         self._refresh_next = 0  # the replica whose victim pool a tick re-ranks next
         self.return_wait_s = 0.0  # EWMA of those requests' gate waits (Continuum's T)
+        self._home_only = False  # a packing pass offering each replica's room to its own
+        self._waited_for: set[str | None] = set()  # replicas whose own programs still wait
 
     # tool calls ----------------------------------------------------------------------
     def on_tool_start(
@@ -149,6 +152,78 @@ class PricedPolicy(MoriPaperPolicy):
         if dst.tier is Tier.CPU and p.context_tokens > self.host_room(dst.replica):  # type: ignore[arg-type]
             return WAITING
         return dst
+
+    # replica affinity -------------------------------------------------------------------
+    def _replicas_for(self, p: Program, free: dict[str, int], now: float) -> list[str]:
+        """A returning program goes back to its own replica (where its KV, device or host
+        copy, may still be), and to another one only once moving there pays
+        (`_leave_for`); a new program, or one whose replica is gone, goes where there is
+        most room."""
+        home = p.last_replica
+        if home not in free:
+            return super()._replicas_for(p, free, now)
+        if self._home_only:
+            return [home]
+        others = sorted(
+            (r for r in free if r != home and r not in self._waited_for),
+            key=free.__getitem__,
+            reverse=True,
+        )
+        return [home, *(r for r in others if self._leave_for(p, r, now))]
+
+    def _pack_waiting(
+        self, ranked: list[Program], free: dict[str, int], now: float, moves: list[Move]
+    ) -> list[Program]:
+        """Free room goes to each replica's own returning programs and to new ones first;
+        what is left over then to programs of other replicas whose move pays (work
+        conservation without taking a replica's room from its own programs)."""
+        with self._at_home():
+            left = super()._pack_waiting(ranked, free, now, moves)
+        if not left:
+            return left
+        self._waited_for = {q.last_replica for q in left}
+        try:
+            return super()._pack_waiting(left, free, now, moves)
+        finally:
+            self._waited_for = set()
+
+    def _swap_returning(
+        self,
+        ranked: list[Program],
+        free: dict[str, int],
+        victims: _VictimPool,
+        now: float,
+        moves: list[Move],
+    ) -> None:
+        """The paper's idleness swaps, on a returning program's own replica only: moving
+        others off a replica to make room for a program whose KV is elsewhere pays twice."""
+        with self._at_home():
+            super()._swap_returning(ranked, free, victims, now, moves)
+
+    @contextlib.contextmanager
+    def _at_home(self) -> Iterator[None]:
+        """While inside, `_replicas_for` offers a returning program its own replica only."""
+        self._home_only = True
+        try:
+            yield
+        finally:
+            self._home_only = False
+
+    def _may_leave_home(self, p: Program, now: float) -> bool:
+        """A CPU-tier request may be placed elsewhere once moving to some replica pays."""
+        return any(self._leave_for(p, r, now) for r in self.tiers.replicas())
+
+    def _leave_for(self, p: Program, replica: str, now: float) -> bool:
+        """Ski rental: a held request waits for its own replica until its wait reaches
+        `home_wait` x what placing it on `replica` instead costs: its whole context
+        prefilled again there, stalling every step running on that replica while it lasts
+        (the copy it leaves at home is garbage). Break-even (1.0) is 2-competitive against
+        knowing when room would come back home. Moving for less is what made 50-90 % of
+        programs change replica (the paper: under 3 %) and threw their caches away."""
+        if replica == p.last_replica or replica not in self.prices:
+            return False
+        cost = self.prices[replica].recompute_s(p.context_tokens) * (1 + self.reasoning_on(replica))
+        return now - p.last_active_s >= self.config.home_wait * cost
 
     def expected_idle_s(self, p: Program, now: float) -> float:
         """Expected seconds until an ACTING program's next request."""
@@ -248,12 +323,11 @@ class PricedPolicy(MoriPaperPolicy):
             if not p.pending:
                 continue
             aged = at_tick and self.aging_s > 0 and now - p.last_active_s >= self.aging_s
-            if p.placement.tier is Tier.CPU:
-                targets = [p.placement.replica] if p.placement.replica in free else []
+            if p.last_replica is not None:  # only at home: never moves others to move it
+                targets = [p.last_replica] if p.last_replica in free else []
             else:
-                order = sorted(free, key=free.__getitem__, reverse=True)
-                targets = [p.last_replica, *order] if p.last_replica in free else order
-            for r in dict.fromkeys(targets):
+                targets = sorted(free, key=free.__getitem__, reverse=True)
+            for r in targets:
                 needed = p.context_tokens - free[r]  # type: ignore[index]
                 key = (r, aged)
                 if key not in room:
@@ -269,18 +343,36 @@ class PricedPolicy(MoriPaperPolicy):
 
     def _rank(self, now: float) -> Callable[[Program], tuple]:
         """The promotion order of a held request: the paper's classes (CPU with a request,
-        returning, new), least idle first within 1 and 2, smallest first within 3. Fixed
-        while a request is held (a held program's idleness does not move)."""
-        idleness = self._ranking(now)
+        returning, new); within 1 and 2 the most GPU activity per token of room first
+        (`_activity_density`), within 3 smallest first. Fixed while a request is held (a
+        held program's idleness does not move)."""
+        density = self._activity_density(self._ranking(now))
 
         def rank(p: Program) -> tuple:
             if p.placement.tier is Tier.CPU:
-                return (0, idleness(p), 0)
+                return (0, density(p), 0)
             if p.steps > 0:
-                return (1, idleness(p), 0)
-            return (2, p.context_tokens, idleness(p))
+                return (1, density(p), 0)
+            return (2, p.context_tokens, 0)
 
         return rank
+
+    def _order_classes(self, classes: Classes, idleness: Idleness, now: float) -> None:
+        """Classes 1 and 2 by activity density (`_rank`), class 3 smallest first."""
+        super()._order_classes(classes, idleness, now)
+        density = self._activity_density(idleness)
+        classes[0].sort(key=density)
+        classes[1].sort(key=density)
+
+    @staticmethod
+    def _activity_density(idleness: Idleness) -> Callable[[Program], float]:
+        """Sort key: the share of its time a program computes (1 - idleness) per token of
+        GPU room it takes, highest first. GPU room is a knapsack: the paper's least idle
+        first fills it with the busiest programs whatever their size, so one large busy
+        program keeps out several small ones that together compute more; smallest first
+        ignores how much each uses the room. The greedy value-per-weight order beat both
+        (bench/results/2026-11-24-policy-matrix.md)."""
+        return lambda p: -(1.0 - idleness(p)) / max(1, p.context_tokens)
 
     def _priority_order(self, held: list[Program], now: float) -> list[Program]:
         """Aged requests first (oldest first), then by `_rank`."""
@@ -299,11 +391,13 @@ class PricedPolicy(MoriPaperPolicy):
             if p.steps > 0
             else MoveReason.PROMOTE_NEW
         )
-        moves = [self._move(p, Placement(Tier.GPU, replica), reason, now)]
+        gpu = Placement(Tier.GPU, replica)
+        before = self.tiers.used(gpu)  # the change, not a sum: shared segments count once
+        moves = [self._move(p, gpu, reason, now)]
         cpu = Placement(Tier.CPU, replica)
         for v in victims:
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
-        free[replica] += sum(v.context_tokens for v in victims) - p.context_tokens
+        free[replica] -= self.tiers.used(gpu) - before
         return moves
 
 
@@ -419,7 +513,7 @@ class _Victims:
                 stale += 1 if not chosen else 0
                 continue
             chosen.append(q)
-            freed += q.context_tokens
+            freed += self._policy.tiers.freed_by(q)
             if freed >= needed:
                 del pool[:stale]  # the stale head is gone for good
                 return chosen

@@ -9,6 +9,14 @@ engine, decode time), and each price follows a low quantile of its per-token sam
 A low quantile, not the mean: queueing inside the engine inflates a request's time to first
 token, never deflates it, so the fast samples are the ones that show the price itself.
 Configured values (from the replica preset) are the starting point.
+
+A prefill's cost per token is not one number: each new token attends to every token
+before it, so it grows with the context (prefix + half the new tokens). The prefill price
+is learned per token *at no context* by dividing each sample by that growth,
+1 + context / `attention_tokens` (the context at which attention costs as much as the
+weights: a model constant, from the replica preset), and priced back the same way. One
+flat price learnt from typical steps, which are mostly small programs, under-priced
+recomputing a large context 2-3x (the real Claude Code sample on 30B-MoE replicas).
 """
 
 from __future__ import annotations
@@ -44,20 +52,33 @@ class ReplicaPrices:
     """Per-token seconds to recompute (prefill) and to reload (host -> device) KV, and
     the seconds of one decode iteration, on one replica."""
 
-    prefill: QuantileTracker
+    prefill: QuantileTracker  # per token at no context
     load: QuantileTracker
     decode: QuantileTracker
+    attention_tokens: float = 30_000.0
 
     @classmethod
-    def starting(cls, prefill_s_per_token: float, load_s_per_token: float) -> ReplicaPrices:
+    def starting(
+        cls, prefill_s_per_token: float, load_s_per_token: float, attention_tokens: float
+    ) -> ReplicaPrices:
         return cls(
             QuantileTracker(prefill_s_per_token),
             QuantileTracker(load_s_per_token),
             QuantileTracker(0.02, q=0.5),
+            attention_tokens,
         )
 
+    def growth(self, new: int, prefix: int) -> float:
+        """How much more a token of this prefill costs than one at no context."""
+        return 1.0 + (prefix + new / 2) / self.attention_tokens
+
+    def prefill_s(self, new: int, prefix: int = 0) -> float:
+        """Seconds to prefill `new` tokens on top of `prefix` cached ones."""
+        return new * self.prefill.value * self.growth(new, prefix)
+
     def recompute_s(self, tokens: int) -> float:
-        return tokens * self.prefill.value
+        """Seconds to prefill a whole context of `tokens` again."""
+        return self.prefill_s(tokens)
 
     def reload_s(self, tokens: int) -> float:
         return tokens * self.load.value
@@ -73,11 +94,13 @@ class ReplicaPrices:
     ) -> None:
         """One answered request, timed inside the engine (from forwarding, not arrival at
         the router: gate time is the router's, not the engine's)."""
-        uncached = max(0, prompt_tokens - cached_device - cached_host)
+        cached = cached_device + cached_host
+        uncached = max(0, prompt_tokens - cached)
         if uncached >= MIN_SAMPLE_TOKENS and cached_host * 4 <= uncached:
-            self.prefill.observe(ttft_s / uncached)
+            self.prefill.observe(ttft_s / (uncached * self.growth(uncached, cached)))
         if cached_host >= MIN_SAMPLE_TOKENS and uncached * 4 <= cached_host:
-            self.load.observe(max(0.0, ttft_s - self.recompute_s(uncached)) / cached_host)
+            compute = self.prefill_s(uncached, cached)
+            self.load.observe(max(0.0, ttft_s - compute) / cached_host)
         if output_tokens > 8 and decode_s > 0:
             self.decode.observe(decode_s / (output_tokens - 1))
 

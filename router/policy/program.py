@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from router.policy.types import WAITING, Placement, Status
+from router.policy.types import WAITING, Placement, Segment, Status
 
 
 @dataclass(slots=True)
@@ -32,6 +32,9 @@ class Program:
     demote_after_step: Placement | None = None  # lazy demotion target
     reasoning_s: float = 0.0  # reasoning time of the cycle in progress
     cycles: deque[tuple[float, float]] = field(default_factory=deque)  # (reasoning, acting)
+    # leading spans of its context other programs may hold too (an anchor, a round's shared
+    # prompt): the tiers count each once per placement (`Tiers.share`)
+    shared: tuple[Segment, ...] = ()
     # (reasoning, acting) summed over all cycles, and over those still in the window while
     # a cycle is ongoing; None when `cycles` changed. Ranking 10 000 programs per tick
     # needs idleness in O(1), not O(W).

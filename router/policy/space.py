@@ -307,13 +307,7 @@ class SpaceScheduler(PricedPolicy):
             and self.graphs.agent_type(q.program_id) not in self.critical
         ]
         pool.sort(key=lambda q: (self.static(q.program_id), -self.expected_idle_s(q, now)))
-        chosen, freed = [], 0
-        for q in pool:
-            if freed >= need:
-                break
-            chosen.append(q)
-            freed += q.context_tokens
-        return chosen if freed >= need else []
+        return self.tiers.enough(pool, need)
 
     # program events ---------------------------------------------------------------------
     def on_response(

@@ -2,14 +2,24 @@
 
 Usage sums are kept incrementally so a fit check is O(1) even with 10 000 programs;
 every placement change goes through `Tiers.place`, which keeps them exact.
+
+Shared segments (`Program.shared`: an agent role's anchor, a round's system prompt and
+scenario) are stored once per replica by the engine, so a tier counts each once however
+many of its programs hold it: a tier's use is the sum of its programs' contexts less
+(holders - 1) x tokens for every segment held by more than one of them. What a program
+frees by leaving (`freed_by`) and needs by arriving (`need`) follow from it; a policy that
+counts a victim's whole context as freed over-frees, one that counts a newcomer's whole
+context as needed under-fills (safe).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 
 from router.policy.program import Program
-from router.policy.types import WAITING, Placement, ReplicaCapacity, Tier
+from router.policy.types import WAITING, Placement, ReplicaCapacity, Segment, Tier
 
 
 class Tiers:
@@ -20,6 +30,7 @@ class Tiers:
         self.healthy: dict[str, bool] = {}
         self._used: dict[Placement, int] = {}
         self._members: dict[Placement, dict[str, Program]] = {WAITING: {}}
+        self._holders: dict[Placement, Counter[str]] = {}  # segment chain id -> programs
 
     # replicas -----------------------------------------------------------------
     def add_replica(self, replica: str, capacity: ReplicaCapacity) -> None:
@@ -60,10 +71,10 @@ class Tiers:
         src = program.placement
         self._members.setdefault(src, {}).pop(program.program_id, None)
         if src.tier is not Tier.WAITING:
-            self._used[src] -= program.context_tokens
+            self._leave(program, src)
         self._members.setdefault(dst, {})[program.program_id] = program
         if dst.tier is not Tier.WAITING:
-            self._used[dst] = self._used.get(dst, 0) + program.context_tokens
+            self._enter(program, dst)
             program.last_replica = dst.replica
         program.placement = dst
 
@@ -74,6 +85,109 @@ class Tiers:
 
     def resize(self, program: Program, tokens: int) -> None:
         """Change a program's context size, keeping its tier's sum exact."""
-        if program.placement.tier is not Tier.WAITING:
-            self._used[program.placement] += int(tokens) - program.context_tokens
-        program.context_tokens = int(tokens)
+        self._reaccount(program, lambda: setattr(program, "context_tokens", int(tokens)))
+
+    def share(self, program: Program, segments: Sequence[Segment]) -> None:
+        """The leading segments of the program's context that others may hold too (chain
+        order; cut where they would exceed its context), in runs (`coarsen`)."""
+        runs = coarsen(segments)
+        self._reaccount(program, lambda: setattr(program, "shared", runs))
+
+    # shared segments ---------------------------------------------------------------
+    def freed_by(self, program: Program) -> int:
+        """Tokens its tier's use drops by if `program` leaves (its segments other members
+        still hold stay)."""
+        holders = self._holders.get(program.placement)
+        if holders is None:
+            return program.context_tokens
+        kept = sum(s.tokens for s in program.shared if holders[s.chain] > 1)
+        return program.context_tokens - kept
+
+    def need(self, program: Program, place: Placement) -> int:
+        """Tokens `place`'s use grows by if `program` joins it (segments held there count
+        once); its own context if it is there already."""
+        holders = self._holders.get(place)
+        if program.placement == place or holders is None:
+            return program.context_tokens
+        return program.context_tokens - sum(s.tokens for s in program.shared if holders[s.chain])
+
+    def enough(self, victims: Iterable[Program], tokens: int) -> list[Program]:
+        """The first `victims` (in order) whose leaving frees `tokens`, or [] if all of
+        them would not (a partial move would be churn for nothing)."""
+        chosen, freed = [], 0
+        for q in victims:
+            if freed >= tokens:
+                break
+            chosen.append(q)
+            freed += self.freed_by(q)
+        return chosen if freed >= tokens else []
+
+    def holders(self, place: Placement, chain: str) -> int:
+        """How many programs of `place` hold the segment `chain`."""
+        holders = self._holders.get(place)
+        return holders[chain] if holders is not None else 0
+
+    def _reaccount(self, program: Program, change) -> None:
+        """Apply `change` to the program with its tier's sums taken out and put back."""
+        place = program.placement
+        placed = place.tier is not Tier.WAITING
+        if placed:
+            self._leave(program, place)
+        change()
+        program.shared = _within(program.shared, program.context_tokens)
+        if placed:
+            self._enter(program, place)
+
+    def _enter(self, program: Program, place: Placement) -> None:
+        holders = self._holders.setdefault(place, Counter())
+        used = program.context_tokens
+        for s in program.shared:
+            holders[s.chain] += 1
+            if holders[s.chain] > 1:
+                used -= s.tokens
+        self._used[place] = self._used.get(place, 0) + used
+
+    def _leave(self, program: Program, place: Placement) -> None:
+        holders = self._holders.setdefault(place, Counter())
+        freed = program.context_tokens
+        for s in program.shared:
+            holders[s.chain] -= 1
+            if holders[s.chain] > 0:
+                freed -= s.tokens
+            else:
+                del holders[s.chain]
+        self._used[place] -= freed
+
+
+RUN_MASK = 0xF  # a run ends at a segment whose chain id's CRC-32 is 0 here: ~16 segments a run
+SINGLE = 8  # the first segments are runs of their own (tools, system prompt, scenario...)
+
+
+def coarsen(segments: Sequence[Segment]) -> tuple[Segment, ...]:
+    """Consecutive segments merged into runs, for accounting in O(runs) per move: a run is
+    named by the chain id of its last segment (so equal runs are an equal prefix) and ends
+    where the content says (a segment whose chain id's CRC-32 is 0 under `RUN_MASK`: the same
+    boundaries in every prompt that shares the prefix), after each of the first `SINGLE`
+    segments (the tools, system prompt and scenario a prompt starts with are what is shared
+    most), and at the end. A prefix two programs share is counted once up to its last run
+    boundary."""
+    runs: list[Segment] = []
+    tokens = 0
+    for i, s in enumerate(segments):
+        tokens += s.tokens
+        last = i == len(segments) - 1
+        if i < SINGLE or last or zlib.crc32(s.chain.encode()) & RUN_MASK == 0:
+            runs.append(Segment(s.chain, s.content, tokens))
+            tokens = 0
+    return tuple(runs)
+
+
+def _within(segments: tuple[Segment, ...], tokens: int) -> tuple[Segment, ...]:
+    """The leading segments that fit in `tokens` (a context never holds less than its
+    shared prefix: an estimate that says so is cut)."""
+    total = 0
+    for i, s in enumerate(segments):
+        total += s.tokens
+        if total > tokens:
+            return segments[:i]
+    return segments

@@ -102,6 +102,23 @@ class EngineMode:
 
 
 @dataclass(frozen=True, slots=True)
+class Segment:
+    """A span of a prompt that an engine stores once per replica however many programs'
+    contexts hold it (TokenDance's round-aware segments, exact mode).
+
+    chain: id of the prompt up to and including this span: equal ids mean an identical
+    prefix, the only sharing an engine's prefix cache does exactly (SGLang's radix tree).
+    content: id of the span's own text: equal ids at different chains are the same blocks
+    at different offsets (an All-Gather round's gathered outputs), which only approximate
+    reuse could share.
+    """
+
+    chain: str
+    content: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaCapacity:
     """Token budgets of one replica's two tiers."""
 

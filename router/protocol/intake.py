@@ -29,6 +29,7 @@ from router.protocol import identity
 from router.protocol.accounting import CACHE_DETAILS_FLAG
 from router.protocol.agent_identity import Anchor, anchor_of
 from router.protocol.sanitize import header_text
+from router.protocol.segments import RawSegment, prompt_segments
 from router.wire import codec
 from router.wire.errors import ApiError
 
@@ -65,12 +66,15 @@ class Prepared:
     client_wants_usage: bool
     client_wants_details: bool  # the client set return_cached_tokens_details itself
     rid: str
-    # the engine's body: program_id, agent, parent_id and app_id out, session_id (and rid) in
+    # the engine's body: program_id, agent, parent_id, app_id and round_id out, session_id (and
+    # rid) in
     content: bytes
     prompt_chars: int  # characters of text the engine's chat template will see
     anchor: Anchor | None = None  # tools + leading system messages (agent identity, warm-ups)
     parent: str | None = None  # the program this one works for (namespaced)
     app: str | None = None  # the application (agent graph) its task runs (namespaced)
+    segments: tuple[RawSegment, ...] = ()  # the prompt, message by message (segments.py)
+    round: str | None = None  # the All-Gather round the application names (namespaced)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Hints:
     namespace: str = ""
     parent: str | None = None  # X-Parent-Id
     app: str | None = None  # X-App-Id
+    round: str | None = None  # X-Round-Id
 
 
 def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
@@ -91,10 +96,13 @@ def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
         agent = header_text(headers, "x-agent-role")
         parent = header_text(headers, "x-parent-id")
         app = header_text(headers, "x-app-id")
+        round_id = header_text(headers, "x-round-id")
     except LabelError as e:
         raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
     namespace = identity.namespace(key)
-    return Hints(program_id or None, agent or None, namespace, parent or None, app or None)
+    return Hints(
+        program_id or None, agent or None, namespace, parent or None, app or None, round_id or None
+    )
 
 
 # --- reading --------------------------------------------------------------------------
@@ -189,6 +197,12 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     parent = _label(parent, "parent_id") if parent is not None else hints.parent
     app = body.pop("app_id", None)
     app = _label(app, "app_id") if app is not None else hints.app
+    round_id = body.pop("round_id", None)
+    if round_id is not None:
+        round_id = _label(round_id, "round_id")
+    elif hints.round is not None:
+        round_id = _label(hints.round, "X-Round-Id")
+    segments = prompt_segments(body)
     rid = body.get("rid")
     rid = _label(rid, "rid") if rid is not None else _RIDS.next()
     stream = bool(body.get("stream", False))
@@ -212,6 +226,8 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         anchor=anchor,
         parent=hints.namespace + parent if parent else None,
         app=hints.namespace + app if app else None,
+        segments=segments,
+        round=hints.namespace + round_id if round_id else None,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from router.protocol.accounting import Usage
 from router.protocol.agent_identity import Anchor
+from router.protocol.segments import RawSegment
 
 # worker -> owner
 GO = 1  # (GO, seq, Ticket): a request wants a replica
@@ -48,6 +49,8 @@ class Ticket:
     anchor: Anchor | None = None
     parent: str | None = None  # the program this one works for (X-Parent-Id)
     app: str | None = None  # the application (agent graph) its task runs (X-App-Id)
+    segments: tuple[RawSegment, ...] = ()  # the prompt, message by message (segments.py)
+    round: str | None = None  # the All-Gather round the application names (X-Round-Id)
 
 
 @dataclass

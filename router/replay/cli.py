@@ -56,7 +56,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="corpus order and start jitter")
     parser.add_argument("--model", help="model name to request (default: the endpoint's first)")
     parser.add_argument("--api-key", default="none", help="API key for the endpoint")
-    parser.add_argument("--json", dest="json_out", help="write results JSON (+ .csv, plots)")
+    parser.add_argument(
+        "--json",
+        dest="json_out",
+        help="write results JSON (+ .csv, steps CSV, plots) (default: none)",
+    )
     parser.add_argument(
         "--wide", action="store_true", help="results table with every metric (over 80 columns)"
     )
@@ -94,12 +98,12 @@ def replay_with_progress(
         stats,
         console=console,
     ) as bar:
-        task = bar.add_task(f"replaying x{config.concurrency}", total=1.0, stats="")
+        task = bar.add_task(f"{config.concurrency} programs", total=1.0, stats="")
 
         def tick(fraction: float) -> None:
             p = run.progress
-            wall = max(fraction * config.duration_s, 1e-9)
-            text = f"{p.steps} steps, {p.output_tokens / wall:.0f} out tok/s (wall)"
+            trace_s = max(fraction * config.duration_s * config.time_scale, 1e-9)
+            text = f"{p.steps} steps, {p.output_tokens / trace_s:.0f} out tok/s"
             if p.failed:
                 text += f", [red]{p.failed} failed[/red]"
             bar.update(task, completed=fraction, stats=text)

@@ -255,6 +255,7 @@ class Replay:
         for child in self.corpus.subagents(program):
             self._spawn(self._subagent(child, me))
         inherited = parent.conversation.messages if parent and program.inherit_tokens else ()
+        blocks: list[tuple[str, int]] = []  # named blocks of the current prompt
         me.conversation = Conversation(
             pid, program.agent, program.anchor_tokens, self.config.seed, program.inherit_tokens
         )
@@ -263,7 +264,11 @@ class Replay:
         for i, step in enumerate(program.steps):
             await self._hand_over(me, step)
             reused = step.reused_tokens if i else 0
-            messages = me.conversation.next_messages(step.input_tokens, reused)
+            blocks = blocks[: step.segments_kept] + [
+                (sid if sid.startswith("@") else f"{me.session}/{sid}", n)
+                for sid, n in step.segments
+            ]
+            messages = me.conversation.next_messages(step.input_tokens, reused, blocks)
             me.conversation.record_answer(await self._step(me, step, messages))
             self._handoff_event(me.session, program.program_id, i).set()
             if i + 1 < len(program.steps) and step.tool:
@@ -334,7 +339,7 @@ class Replay:
                 stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
-                extra_headers=me.headers,
+                extra_headers={**me.headers, **self._round(me, step)},
             )
             replica = raw.headers.get("x-mori-replica")
             async for chunk in raw.parse():
@@ -363,11 +368,17 @@ class Replay:
                 session=me.session,
                 agent=me.program.agent,
                 last=step is me.program.steps[-1],
+                round=f"{me.session}/{step.round}" if step.round else None,
             )
         )
         self.progress.steps += 1
         self.progress.output_tokens += self.records[-1].output_tokens
         return "".join(parts)
+
+    @staticmethod
+    def _round(me: _Instance, step: TraceStep) -> dict[str, str]:
+        """The step's All-Gather round, for a round-aware router (engines ignore it)."""
+        return {"X-Round-Id": f"{me.session}/{step.round}"} if step.round else {}
 
     def _fail(self, pid: str, step: TraceStep, arrival: float, replica, error: Exception) -> None:
         now = self.now()

@@ -49,16 +49,54 @@ def scale_program(program: TraceProgram, scale: float) -> TraceProgram:
     if scale == 1.0:
         return program
     steps: list[TraceStep] = []
+    blocks = 0  # named blocks of the previous (scaled) step
     for st in program.steps:
         prompt = max(1, round(st.input_tokens * scale))
         limit = steps[-1].input_tokens + steps[-1].output_tokens if steps else 0
         reused = min(round(st.reused_tokens * scale), limit, prompt)
         out = round(st.output_tokens * scale)
-        steps.append(replace(st, input_tokens=prompt, output_tokens=out, reused_tokens=reused))
+        kept = min(st.segments_kept, blocks)
+        kept_tokens = _kept_tokens(steps, kept)
+        segments = _scale_segments(st.segments, scale, prompt - kept_tokens)
+        blocks = kept + len(segments)
+        steps.append(
+            replace(
+                st,
+                input_tokens=prompt,
+                output_tokens=out,
+                reused_tokens=reused,
+                segments=segments,
+                segments_kept=kept,
+            )
+        )
     first = steps[0].input_tokens
     anchor = min(round(program.anchor_tokens * scale), first)
     inherit = min(round(program.inherit_tokens * scale), first)
     return replace(program, steps=tuple(steps), anchor_tokens=anchor, inherit_tokens=inherit)
+
+
+def _kept_tokens(steps: list[TraceStep], kept: int) -> int:
+    """Tokens of the first `kept` named blocks of the last step's prompt."""
+    if not steps or not kept:
+        return 0
+    last = steps[-1]
+    inherited = min(kept, last.segments_kept)
+    own = [tokens for _, tokens in last.segments[: kept - inherited]]
+    return _kept_tokens(steps[:-1], inherited) + sum(own)
+
+
+def _scale_segments(
+    segments: tuple[tuple[str, int], ...], scale: float, prompt: int
+) -> tuple[tuple[str, int], ...]:
+    """Scaled blocks (at least one token each) that still fit in the scaled prompt."""
+    out, total = [], 0
+    for sid, tokens in segments:
+        tokens = max(1, round(tokens * scale))
+        if total + tokens > prompt:
+            break
+        out.append((sid, tokens))
+        total += tokens
+    return tuple(out)
 
 
 class HandOffs:

@@ -4,6 +4,8 @@
 (`router.replay.generate`). `supervisor`: multi-agent apps where a selector hands turns to
 specialist roles (`router.replay.multiagent`). `dag`: apps whose agent roles form a DAG
 with fan-out and fan-in, Tokencake's Code-Writer and Deep-Research (`router.replay.dag`).
+`allgather`: agents in synchronized rounds that each receive all the others' answers,
+TokenDance's GenerativeAgents and AgentSociety (`router.replay.allgather`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from router.replay import dag, multiagent
+from router.replay import allgather, dag, multiagent
 from router.replay import generate as single
 from router.replay.trace import TraceProgram
 
@@ -21,9 +23,10 @@ KINDS: dict[str, tuple[type[BaseModel], Callable[..., Iterator[TraceProgram]]]] 
     "agent": (single.Preset, single.generate),
     "supervisor": (multiagent.SupervisorPreset, multiagent.generate),
     "dag": (dag.DagPreset, dag.generate),
+    "allgather": (allgather.AllgatherPreset, allgather.generate),
 }
 
-AnyPreset = single.Preset | multiagent.SupervisorPreset | dag.DagPreset
+AnyPreset = single.Preset | multiagent.SupervisorPreset | dag.DagPreset | allgather.AllgatherPreset
 
 
 def load_preset(name_or_path: str | Path) -> AnyPreset:

@@ -179,18 +179,29 @@ class Conversation:
     def __post_init__(self) -> None:
         self._rng = random.Random(_seed(self.seed, self.program_id))
 
-    def next_messages(self, input_tokens: int, reused_tokens: int) -> list[Message]:
-        """Messages of about `input_tokens` tokens sharing `reused_tokens` with the history."""
-        if not self.messages:
+    def next_messages(
+        self, input_tokens: int, reused_tokens: int, blocks: Sequence[tuple[str, int]] = ()
+    ) -> list[Message]:
+        """Messages of about `input_tokens` tokens sharing `reused_tokens` with the history.
+        Named `blocks` (scoped id, tokens: the trace's `segments`) beyond the reused part
+        are one message each, whose text follows from the id alone, so two agents' prompts
+        that hold the same block hold the same text (a round's gathered answers)."""
+        if not self.messages and not blocks:
             self.messages = self._first(input_tokens)
             return list(self.messages)
-        history = count_tokens(render_chat(self.messages))
+        history = count_tokens(render_chat(self.messages)) if self.messages else 0
         if reused_tokens < history - KEEP_HISTORY_SLACK_TOKENS:
             self.messages = _cut(self.messages, reused_tokens)  # the agent compacted
             history = count_tokens(render_chat(self.messages))
-        self.messages.append(
-            _message_with_tokens("user", max(input_tokens - history, 0), self._rng)
-        )
+        end = 0
+        for block_id, tokens in blocks:
+            end += tokens
+            if end > history:  # not in the history yet
+                rng = random.Random(_seed(self.seed, "block", block_id))
+                self.messages.append(_message_with_tokens("user", tokens, rng))
+                history += tokens
+        if input_tokens > history:
+            self.messages.append(_message_with_tokens("user", input_tokens - history, self._rng))
         return list(self.messages)
 
     def inherit(self, parent_messages) -> None:

@@ -8,6 +8,12 @@ Besides MORI's per-step metrics, a run reports its applications (Tokencake §7.1
 program's last step is; its end-to-end latency runs from its first request to that answer.
 An agent instance (a program) runs from its first request to its last step's answer; it is
 *abnormal* when that takes more than 1.5x the mean of its agent type in the run.
+
+And its All-Gather rounds (TokenDance §6.1): a round (the steps that name one round id)
+runs from its first request's arrival to its last agent's answer; only complete rounds
+count, those with as many answered steps as the largest round of their task (a round cut by
+the end of the run is not one). `kv_tokens_per_agent` is the KV the replicas store (all
+tiers, each token once) per live agent, averaged over the run; the replayer measures it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class StepRecord:
     session: str | None = None  # the task (its main program's id); None: the program's own
     agent: str | None = None  # the program's agent role
     last: bool = False  # the program's last step
+    round: str | None = None  # the All-Gather round the step belongs to (unique in the run)
 
 
 @dataclass(slots=True)
@@ -64,6 +71,10 @@ class RunResult:
     agents_done: int = 0  # agent instances (programs) whose last step was answered
     abnormal_agents: int = 0  # of them, slower than ABNORMAL_X x their type's mean
     agent_latency_s: dict = field(default_factory=dict)  # agent type -> mean execution s
+    round_latency_mean_s: float = 0.0  # complete rounds: first request to last answer
+    round_latency_p99_s: float = 0.0
+    rounds_done: int = 0
+    kv_tokens_per_agent: float = 0.0  # KV stored (all tiers) per live agent, run average
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -114,6 +125,26 @@ def app_stats(records: list[StepRecord], duration_s: float) -> AppStats:
     return AppStats(e2e, len(done), abnormal, {a: round(m, 3) for a, m in means.items()})
 
 
+def round_latencies(records: list[StepRecord]) -> list[float]:
+    """Seconds from each complete round's first request to its last answer (records
+    already cut to the run). A round is complete when it has as many answered steps as the
+    largest round of its task."""
+    steps: dict[str, list[StepRecord]] = defaultdict(list)
+    for r in records:
+        if r.round is not None:
+            steps[r.round].append(r)
+    largest: dict[str, int] = defaultdict(int)
+    for rnd in steps.values():
+        task = rnd[0].session or rnd[0].program_id
+        largest[task] = max(largest[task], len(rnd))
+    out = []
+    for rnd in steps.values():
+        task = rnd[0].session or rnd[0].program_id
+        if len(rnd) == largest[task]:
+            out.append(max(r.finish_s for r in rnd) - min(r.arrival_s for r in rnd))
+    return out
+
+
 def summarize(
     records: list[StepRecord],
     duration_s: float,
@@ -123,6 +154,7 @@ def summarize(
     cpu_ratio: float,
     gpu_util: float,
     extra: dict | None = None,
+    kv_tokens_per_agent: float = 0.0,
 ) -> RunResult:
     """Reduce the steps of one run to the metrics of MORI 6.2."""
     done = [r for r in records if r.ok and r.finish_s <= duration_s]
@@ -132,6 +164,7 @@ def summarize(
     host = sum(r.cached_host for r in done)
     span = max(duration_s, 1e-9)
     apps = app_stats(records, duration_s)
+    rounds = round_latencies(done)
     return RunResult(
         policy=policy,
         concurrency=concurrency,
@@ -153,5 +186,9 @@ def summarize(
         agents_done=apps.agents_done,
         abnormal_agents=apps.abnormal,
         agent_latency_s=apps.agent_latency_s,
+        round_latency_mean_s=fmean(rounds) if rounds else 0.0,
+        round_latency_p99_s=percentile(rounds, 99),
+        rounds_done=len(rounds),
+        kv_tokens_per_agent=kv_tokens_per_agent,
         extra=dict(extra or {}),
     )

@@ -29,6 +29,15 @@ class TraceStep:
     # Steps of programs of the same task that must finish before this step is sent (a hand-
     # over); the gap before it is then those steps' end, and `tool_s` before it is nominal.
     after: tuple[tuple[str, int], ...] = ()
+    # The prompt's leading content, block by block: the first `segments_kept` blocks of the
+    # previous step's prompt, then these (id, tokens) blocks, in order; the rest of the
+    # prompt is unnamed. Equal ids are equal text: an engine shares a run of blocks that
+    # starts the prompts of two programs (exact), and the same block at other offsets only
+    # by approximate reuse. Ids are per task instance; an id starting with "@" names text
+    # every task shares (an application's system prompt).
+    segments: tuple[tuple[str, int], ...] = ()
+    segments_kept: int = 0
+    round: str | None = None  # the All-Gather round the step belongs to (within its task)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +88,9 @@ _STEP_FIELDS: dict[str, tuple[tuple, bool, float | None]] = {
     "tool_s": (_NUMBER, False, 0),
     "tool": ((str, type(None)), False, None),
     "after": ((list,), False, None),
+    "segments": ((list,), False, None),
+    "segments_kept": ((int,), False, 0),
+    "round": ((str, type(None)), False, None),
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list"}
 
@@ -118,17 +130,45 @@ def _parse_after(raw: list, where: str, fail) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def _parse_segments(raw: list, where: str, fail) -> tuple:
+    """`segments`: a list of [id, tokens >= 1] pairs."""
+    out = []
+    for seg in raw:
+        ok = isinstance(seg, list) and len(seg) == 2 and isinstance(seg[0], str) and seg[0]
+        ok = ok and isinstance(seg[1], int) and not isinstance(seg[1], bool) and seg[1] >= 1
+        if not ok:
+            fail(f"{where}.segments", f"must list [id, tokens >= 1] pairs, got {seg!r:.40}")
+        out.append((seg[0], seg[1]))
+    return tuple(out)
+
+
+def _check_blocks(step: TraceStep, blocks: list[int], where: str, fail) -> list[int]:
+    """The token counts of the step's named blocks (the previous step's kept ones, then its
+    own): they must not outgrow the prompt."""
+    if step.segments_kept > len(blocks):
+        reason = f"{step.segments_kept} > the previous step's {len(blocks)} blocks"
+        fail(f"{where}.segments_kept", reason)
+    blocks = blocks[: step.segments_kept] + [tokens for _, tokens in step.segments]
+    if sum(blocks) > step.input_tokens:
+        fail(f"{where}.segments", f"{sum(blocks)} tokens > input_tokens {step.input_tokens}")
+    return blocks
+
+
 def _parse_steps(raw_steps: list, fail) -> tuple[TraceStep, ...]:
     if not raw_steps:
         fail("steps", "a program needs at least one step")
     steps: list[TraceStep] = []
+    blocks: list[int] = []
     for i, raw in enumerate(raw_steps):
         where = f"steps[{i}]"
         _check_fields(raw, _STEP_FIELDS, where, fail)
         unknown = sorted(set(raw) - set(_STEP_FIELDS))
         if unknown:
             fail(f"{where}.{unknown[0]}", f"unknown step field (known: {', '.join(_STEP_FIELDS)})")
-        step = TraceStep(**{**raw, "after": _parse_after(raw.get("after", []), where, fail)})
+        segments = _parse_segments(raw.get("segments", []), where, fail)
+        after = _parse_after(raw.get("after", []), where, fail)
+        step = TraceStep(**{**raw, "after": after, "segments": segments})
+        blocks = _check_blocks(step, blocks, where, fail)
         reused = f"{where}.reused_tokens"
         # The reused prefix is part of this prompt and was in the previous call's KV.
         limit = 0 if not steps else steps[-1].input_tokens + steps[-1].output_tokens

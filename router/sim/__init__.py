@@ -7,6 +7,7 @@ API with the model's timing), `cli`.
 
 May import: `router.policy` (the same policy code the router runs), `router.replay`
 (traces, corpora, reports), and from the shell only what an engine speaks
-(`router.protocol.accounting`'s request flags, `router.wire.errors`). Never `owner` or
-`plane`: the simulator drives the policy directly.
+(`router.protocol.accounting`'s request flags, `router.wire.errors`), and `kernels.costs`
+(torch-free: what restoring KV costs). Never `owner` or `plane`: the simulator drives the
+policy directly.
 """

@@ -20,6 +20,7 @@ import yaml
 from router.policy import PolicyConfig, policy_names
 from router.replay.records import RunResult
 from router.replay.trace import TraceError, TraceProgram, load_trace
+from router.sim.approx import ApproxReuse
 from router.sim.presets import PRESETS
 from router.sim.simulator import SimConfig, simulate
 
@@ -105,17 +106,41 @@ def _setting(text: str) -> tuple[str, object]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="scenario YAML (configs/sim/*.yaml)")
     parser.add_argument("--trace", help="trace JSONL corpus (default: the scenario's 'trace')")
-    parser.add_argument("--policies", type=_policies, help="comma list, e.g. mori,ta+o,ta,smg")
-    parser.add_argument("--concurrency", type=_csv(int, "--concurrency"), help="e.g. 20,50,80")
-    parser.add_argument("--cpu-ratio", type=_csv(float, "--cpu-ratio"), help="e.g. 1,2")
-    parser.add_argument("--duration", type=float, help="virtual seconds per cell (default 3600)")
-    parser.add_argument("--token-scale", type=float, help="multiply every token count")
+    parser.add_argument(
+        "--policies",
+        type=_policies,
+        help="comma list, e.g. mori,ta+o,ta,smg (default: the scenario's, else mori,ta+o,ta,smg)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_csv(int, "--concurrency"),
+        help="closed-loop programs, comma list (default: the scenario's, else 20,50,80)",
+    )
+    parser.add_argument(
+        "--cpu-ratio",
+        type=_csv(float, "--cpu-ratio"),
+        help="host KV / GPU KV budget, comma list (default: the scenario's, else 1,2)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="virtual seconds per cell (default: the scenario's, else 3600)",
+    )
+    parser.add_argument(
+        "--token-scale",
+        type=float,
+        help="multiply every token count (default: the scenario's, else 1)",
+    )
     parser.add_argument("--replicas", type=int, help="replicas (default: the scenario's)")
     parser.add_argument(
         "--gpu-tokens", type=int, help="device KV budget per replica (default: the preset's)"
     )
-    parser.add_argument("--window", type=int, help="idleness window W (cycles)")
-    parser.add_argument("--seed", type=int, help="corpus order and start jitter")
+    parser.add_argument(
+        "--window", type=int, help="idleness window W in cycles (default: the scenario's, else 4)"
+    )
+    parser.add_argument(
+        "--seed", type=int, help="corpus order and start jitter (default: the scenario's, else 0)"
+    )
     parser.add_argument(
         "--set",
         dest="settings",
@@ -125,8 +150,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="KNOB=VALUE",
         help="a policy knob for every cell (repeatable), e.g. --set aging_s=60",
     )
-    parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
-    parser.add_argument("--json", dest="json_out", help="write results JSON (+ .csv, plots)")
+    parser.add_argument(
+        "--approx",
+        action="store_true",
+        help="TokenDance's approximate reuse of gathered blocks, modelled (router/sim/approx.py)",
+    )
+    parser.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    parser.add_argument(
+        "--json", dest="json_out", help="write results JSON (+ .csv, plots) (default: none)"
+    )
     parser.add_argument(
         "--wide", action="store_true", help="results table with every metric (over 80 columns)"
     )
@@ -160,6 +192,7 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
             start_jitter_s=sc.start_jitter_s,
             policy_config=dict(sc.policy),
             gpu_tokens=sc.gpu_tokens,
+            approx=ApproxReuse() if getattr(args, "approx", False) else None,
         )
         for ratio, conc, policy in itertools.product(sc.cpu_ratio, sc.concurrency, sc.policies)
     ]
@@ -213,6 +246,8 @@ def run(args) -> int:
         title += f", GPU KV {sc.gpu_tokens:,} tokens"
     if sc.token_scale != 1.0:
         title += f", tokens x{sc.token_scale:g}"
+    if args.approx:
+        title += ", approximate reuse (modelled)"
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("simulating cells", total=len(configs))

@@ -637,7 +637,11 @@ def create_app(replica: EmulatedReplica) -> FastAPI:
 
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        return replica.info
+        # what the engine holds and queues now, for the live-vs-sim differential check
+        usage = replica.engine.usage() | {
+            k: replica.engine.stats[k] for k in ("admitted", "queue_wait_s")
+        }
+        return replica.info | {"mori_usage": usage}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -693,7 +697,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--preset",
         default=DEFAULT_PRESET,
         choices=sorted(PRESETS),
-        help=f"hardware x model cost model (default {DEFAULT_PRESET})",
+        help="hardware x model cost model",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on")
@@ -703,7 +707,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="run the engine clock this many times faster than real time",
     )
-    parser.add_argument("--gpu-tokens", type=int, help="device KV budget in tokens (preset's)")
+    parser.add_argument(
+        "--gpu-tokens", type=int, help="device KV budget in tokens (default: the preset's)"
+    )
     parser.add_argument(
         "--host-tokens",
         type=int,
@@ -713,7 +719,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--cpu-ratio",
         type=float,
         default=2.0,
-        help="host KV budget as a multiple of the GPU budget (default 2)",
+        help="host KV budget as a multiple of the GPU budget",
     )
     parser.add_argument("--no-host-tier", action="store_true", help="no HiCache host tier")
     parser.add_argument(
@@ -722,8 +728,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="typed",
         help="lru: plain SGLang HiCache; typed: the MORI patch (hints honoured)",
     )
-    parser.add_argument("--model-name", default=None, help="model id to report (preset's)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--model-name", default=None, help="model id to report (default: the preset's model)"
+    )
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level")
 
 
 def build_replica(args: argparse.Namespace) -> EmulatedReplica:

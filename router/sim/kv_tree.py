@@ -7,6 +7,10 @@ runs through it; a program's context is a *path* of nodes from the root. Nodes a
   its key, so every program of the role starts with the same node;
 - a **forked subagent** starts with the first tokens of its parent's path (the parent's node
   is split where the child's prompt leaves it);
+- a **named prefix** (a prompt whose blocks the trace names, `SharedPrefix.chain`) is found
+  wherever another program's context holds the same blocks from the start, through the
+  content-addressed segment index beside the tree (`router.sim.segments`), when that covers
+  more of the prompt than the program's own cached context;
 - everything else is private: a program's new tokens extend its own last node in place when
   nobody else uses it, else start a new child node.
 
@@ -31,10 +35,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from router.policy.types import Hint
+from router.sim.segments import SegmentIndex
 
 # Eviction rank per hint: lower goes first, on both tiers (docs/policy.md, "Typed eviction").
 RANK = {Hint.INACTIVE: 0, Hint.IDLE: 1, Hint.BUSY: 2}
@@ -49,30 +54,41 @@ class SharedPrefix:
 
     anchor: key of an agent role's anchor segment (system prompt + tools), `tokens` long.
     program: a program whose path's first `tokens` tokens the prompt repeats (a fork).
+    chain: (chain id, end offset) of each named block the prompt starts with
+    (`router.sim.segments`); found in any program's context, and used even when the
+    program has a cached path of its own if it covers more of the prompt.
     """
 
     tokens: int
     anchor: str | None = None
     program: str | None = None
+    chain: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if (self.anchor is None) == (self.program is None):
-            raise ValueError("a shared prefix names exactly one of anchor or program")
+        if self.anchor is not None and self.program is not None:
+            raise ValueError("a shared prefix names at most one of anchor or program")
+        if self.anchor is None and self.program is None and not self.chain:
+            raise ValueError("a shared prefix names an anchor, a program or a chain")
         if self.tokens < 0:
             raise ValueError(f"shared prefix tokens must be >= 0, got {self.tokens}")
 
     @classmethod
     def of_program(
-        cls, agent: str | None, anchor_tokens: int, inherit_tokens: int, parent: str | None
+        cls,
+        agent: str | None,
+        anchor_tokens: int,
+        inherit_tokens: int,
+        parent: str | None,
+        chain: tuple[tuple[str, int], ...] = (),
     ) -> SharedPrefix | None:
         """What a trace program shares (DESIGN.md trace format): its parent's first
         `inherit_tokens` (a fork, `parent` = the parent's program id on the engine), else its
-        role's anchor; None when it shares nothing."""
+        role's anchor, and the step's named blocks (`chain`); None when it shares nothing."""
         if inherit_tokens and parent is not None:
-            return cls(inherit_tokens, program=parent)
+            return cls(inherit_tokens, program=parent, chain=chain)
         if anchor_tokens:
-            return cls(anchor_tokens, anchor=agent or "")
-        return None
+            return cls(anchor_tokens, anchor=agent or "", chain=chain)
+        return cls(0, chain=chain) if chain else None
 
 
 @dataclass(eq=False, slots=True)
@@ -120,6 +136,7 @@ class Match:
     prefetched: int  # of `dev`, tokens a hint or warm-up loaded from host ahead
     reclaim: int  # device tokens of the program's stale tail that admission frees
     own: bool  # the base comes from the program's own path
+    chain: tuple[tuple[str, int], ...] = ()  # named blocks to index once admitted
 
 
 class KVTree:
@@ -139,6 +156,7 @@ class KVTree:
         self.scores: dict[str, float] = {}  # agent role -> survival in [0, 1]
         self.critical: frozenset[str] = frozenset()  # agent types kept longest in a type
         self.locked_tokens = 0  # distinct tokens held by running requests (and warm-ups)
+        self.index = SegmentIndex()  # named prefixes -> where they end in the tree
         self._tie = itertools.count()  # heap tie-breaker (nodes do not compare)
 
     # reading ------------------------------------------------------------------------
@@ -214,6 +232,14 @@ class KVTree:
             path, limit = e.path, min(reuse, prompt)  # type: ignore[union-attr]
         else:
             path, limit, anchor = self._prefix_path(prefix, prompt)
+        chain = prefix.chain if prefix is not None else ()
+        named = self.index.longest(chain, prompt) if chain else None
+        stale = 0
+        if named is not None and named[1] > (limit if own or not anchor else anchor[1]):
+            path, limit = named  # another context holds more of this prompt than its own
+            anchor = None
+            stale = self._unshared_dev(e.path, path, pid) if own else 0  # type: ignore[union-attr]
+            own = False
         base, cut = self._cut(path, limit)
         dev = host = prefetched = 0
         on_dev = on_host = True
@@ -231,9 +257,15 @@ class KVTree:
                 on_host = h == node.length
             pos += span
         host_hit = max(0, host - dev) if host_tier else 0
-        reclaim = self._stale_dev(e.path, base, cut, pid) if own else 0  # type: ignore[union-attr]
+        reclaim = self._stale_dev(e.path, base, cut, pid) if own else stale  # type: ignore[union-attr]
         cut = anchor[1] if anchor else cut
-        return Match(base, cut, anchor, dev, host_hit, prefetched, reclaim, own)
+        return Match(base, cut, anchor, dev, host_hit, prefetched, reclaim, own, chain)
+
+    @staticmethod
+    def _unshared_dev(path: list[Node], base: list[Node], pid: str) -> int:
+        """Device tokens of the program's own path that a base from elsewhere drops."""
+        keep = set(base)
+        return sum(n.dev for n in path if n not in keep and n.users == {pid} and n.anchor is None)
 
     def _prefix_path(
         self, prefix: SharedPrefix | None, prompt: int
@@ -304,6 +336,8 @@ class KVTree:
             node.prefetched = 0
         e.path = base
         e.running = rid
+        if m.chain:
+            self.index.register(m.chain, base)
         return base
 
     def _settle_base(self, pid: str, e: Entry, m: Match) -> list[Node]:
@@ -404,6 +438,7 @@ class KVTree:
         if node.parent is not None:
             node.parent.children.remove(node)
         self.nodes.pop(node, None)
+        self.index.drop(node)
         if node.anchor is not None and self.anchors.get((node.anchor, node.length)) is node:
             del self.anchors[node.anchor, node.length]
         for pid in node.users:
@@ -422,6 +457,11 @@ class KVTree:
     def _set_host(self, node: Node, tokens: int) -> None:
         self.host_used += tokens - node.host
         node.host = tokens
+
+    def stored_tokens(self, live: Container[str]) -> int:
+        """Distinct tokens of `live` programs' contexts held on either tier (a token on
+        device and host counts once, a segment they share once)."""
+        return sum(max(n.dev, n.host) for n in self.nodes if any(u in live for u in n.users))
 
     # ranking --------------------------------------------------------------------------
     def rank(self, node: Node) -> int:

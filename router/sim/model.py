@@ -164,6 +164,7 @@ class _Request:
     prefill_at: float = 0.0  # when its prompt's compute starts in its prefill batch
     prefill_s: float = 0.0  # ... and how long it lasts
     path: list[Node] = field(default_factory=list)  # its context's nodes, locked on device
+    extra_s: float = 0.0  # prefill time beyond its new tokens (approximate reuse's work)
 
 
 @dataclass(slots=True)
@@ -236,6 +237,8 @@ class ReplicaEngine:
             "loaded_tokens": 0,
             "warm_loaded_tokens": 0,
             "warm_prefill_tokens": 0,
+            "admitted": 0,  # requests that left the engine's queue for a batch ...
+            "queue_wait_s": 0.0,  # ... and the seconds they spent in it, summed
         }
 
     # protocol ---------------------------------------------------------------------------
@@ -248,17 +251,20 @@ class ReplicaEngine:
         now: float,
         reused_tokens: int | None = None,
         prefix: SharedPrefix | None = None,
+        extra_prefill_s: float = 0.0,
     ) -> None:
         """Queue a request. `reused_tokens` (optional) caps the prefix of the program's own
         cached context it may reuse, for traces whose prompt shares less than the whole
         previous context; `prefix` says what it shares with other programs when it has no
-        cached context of its own (see `SharedPrefix`)."""
+        cached context of its own (see `SharedPrefix`); `extra_prefill_s` is prefill work
+        beyond its new tokens (the simulator's model of approximate reuse, router.sim.approx)."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already submitted")
         self._run(now)
         req = _Request(
             rid, program_id, int(input_tokens), int(output_tokens), now, reused_tokens, prefix
         )
+        req.extra_s = extra_prefill_s
         self._requests[rid] = req
         if req.input_tokens + req.output_tokens > self.gpu_tokens:
             self._finish(req, now, ok=False)
@@ -446,7 +452,9 @@ class ReplicaEngine:
             return
         prefix = req.dev_hit + req.host_hit
         new_tokens, begun = req.input_tokens - prefix, now - req.prefill_at
-        done_s, done = 0.0, 0  # the chunks begun by `now` (a chunk attends to all before it)
+        # the chunks begun by `now` (a chunk attends to all before it), after the extra work
+        # of approximate reuse, which runs first and whole
+        done_s, done = req.extra_s, 0
         while done_s < begun and done < new_tokens:
             chunk = min(PREFILL_CHUNK_TOKENS, new_tokens - done)
             done_s += self.cost.prefill_s(chunk, prefix + done)
@@ -522,6 +530,8 @@ class ReplicaEngine:
             batch.append(req)
         for req in batch:
             self._queue.remove(req)
+            self.stats["admitted"] += 1
+            self.stats["queue_wait_s"] += now - req.arrival
         return batch
 
     def _reserve(self, req: _Request, now: float) -> bool:
@@ -550,7 +560,7 @@ class ReplicaEngine:
         for req in batch:
             prefix = req.dev_hit + req.host_hit
             req.prefill_at = now + compute
-            req.prefill_s = self.cost.prefill_s(req.input_tokens - prefix, prefix)
+            req.prefill_s = self.cost.prefill_s(req.input_tokens - prefix, prefix) + req.extra_s
             compute += req.prefill_s
             self.stats["prefill_tokens"] += req.input_tokens - prefix
             self.stats["loaded_tokens"] += req.host_hit

@@ -101,6 +101,14 @@ class Preset:
         """Each TP rank copies its own KV shard over its own link, in parallel."""
         return self.gpu.pcie_bytes_s * self.tp
 
+    @property
+    def attention_tokens(self) -> float:
+        """The context length at which a prompt token's attention costs as much compute as
+        its pass through the weights: the recompute price per token grows with context
+        past it (`router.policy.prices`; the cost model's prefill_s)."""
+        m = self.model
+        return 2 * m.active_params / (4 * m.layers * m.q_heads * m.head_dim)
+
     def host_kv_tokens(self, cpu_ratio: float) -> int:
         """MORI's CPU-to-GPU memory ratio: host DRAM budget for KV = ratio x GPU KV budget."""
         return int(cpu_ratio * self.gpu_kv_tokens)
@@ -139,6 +147,19 @@ B200 = GPU(
     pcie_source=_PCIE5_SOURCE,
 )
 
+# TokenDance's testbed (§6.1): A100 80 GB, on PCIe Gen4.
+A100_80GB = GPU(
+    name="A100-SXM-80GB",
+    hbm_bytes=81920 * MIB,  # nvidia-smi "81920MiB" on A100 SXM4 80GB
+    hbm_bytes_s=2.039e12,  # A100 80GB SXM data sheet: 2,039 GB/s HBM2e
+    bf16_flops=312e12,  # A100 data sheet: 312 TFLOPS BF16 dense (624 with sparsity)
+    pcie_bytes_s=25e9,
+    pcie_source=(
+        "estimate: PCIe Gen4 x16 pinned cudaMemcpy (~25 of 32 GB/s, nvbandwidth "
+        "host_to_device on A100 SXM hosts); not timed on this GPU by bench/kernels.py"
+    ),
+)
+
 LLAMA_31_8B = ModelSpec(
     name="Llama-3.1-8B",
     total_params=8.03e9,  # model card: 8.03B parameters
@@ -167,6 +188,25 @@ LLAMA_31_70B = ModelSpec(
     head_dim=128,  # hidden_size 8192 / 64 heads
 )  # KV: 2 x 80 x 8 x 128 x 2 B = 327,680 B/token (320 KiB)
 
+QWEN25_7B = ModelSpec(
+    name="Qwen2.5-7B-Instruct",
+    total_params=7.61e9,  # model card: 7.61B parameters
+    active_params=7.61e9,  # dense
+    layers=28,  # config.json num_hidden_layers
+    q_heads=28,  # num_attention_heads
+    kv_heads=4,  # num_key_value_heads (GQA)
+    head_dim=128,  # hidden_size 3584 / 28 heads
+)  # KV: 2 x 28 x 4 x 128 x 2 B = 57,344 B/token (56 KiB)
+QWEN25_14B = ModelSpec(
+    name="Qwen2.5-14B-Instruct",
+    total_params=14.7e9,  # model card: 14.7B parameters
+    active_params=14.7e9,  # dense
+    layers=48,  # config.json num_hidden_layers
+    q_heads=40,  # num_attention_heads
+    kv_heads=8,  # num_key_value_heads (GQA)
+    head_dim=128,  # hidden_size 5120 / 40 heads
+)  # KV: 2 x 48 x 8 x 128 x 2 B = 196,608 B/token (192 KiB)
+
 PRESETS: dict[str, Preset] = {
     # MORI Table 1 row 1 ("H200 (80 GB)" emulating H100 + a 7B/8B dense model).
     # KV budget: 79.6 GiB x 0.88 - 16.1 GB = 59.2 GB -> ~451k tokens.
@@ -176,6 +216,10 @@ PRESETS: dict[str, Preset] = {
     # MORI Table 1 row 3 (B200 + 70B, TP=2). KV: 2 x 180 GB x 0.88 - 141 GB -> ~536k tokens.
     # tp_eff 0.85: estimate for NVLink all-reduce cost per layer at TP=2.
     "b200-70b-tp2": Preset("b200-70b-tp2", B200, LLAMA_31_70B, tp=2, tp_eff=0.85),
+    # TokenDance §6.1 (A100 80 GB + Qwen2.5-7B / 14B). 14B: 80 GiB x 0.88 - 29.4 GB ->
+    # ~235k tokens (42.9 GiB; TokenDance Fig. 2 measures a 41.8 GiB pool on it).
+    "a100-qwen7b": Preset("a100-qwen7b", A100_80GB, QWEN25_7B),
+    "a100-qwen14b": Preset("a100-qwen14b", A100_80GB, QWEN25_14B),
 }
 
 

@@ -31,23 +31,25 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from statistics import fmean
 
+from kernels.costs import restore_cost
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import ReplicaCapacity
 from router.replay.corpus import ClosedLoopCorpus, HandOffs
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.trace import TraceProgram, TraceStep
+from router.sim.approx import ApproxReuse, ApproxStore
 from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedPrefix
 from router.sim.presets import Preset, get_preset
-
-# The recompute price a policy starts from: a typical agent step prefills a few thousand
-# new tokens on top of tens of thousands cached (then it learns the engine's real price).
-_TYPICAL_NEW, _TYPICAL_PREFIX = 4096, 32768
+from router.sim.segments import PromptBlocks
 
 
 def prefill_s_per_token(preset: Preset) -> float:
-    return CostModel(preset).prefill_s(_TYPICAL_NEW, _TYPICAL_PREFIX) / _TYPICAL_NEW
+    """The recompute price a policy starts from (then it learns the engine's): one token's
+    prefill at no context."""
+    return CostModel(preset).prefill_s(1, 0)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class SimConfig:
     # open loop: tasks per second, Poisson (Tokencake §7.1); None: `concurrency` closed-loop
     # clients. The run then continues until every task that arrived is answered.
     arrival_rate: float | None = None
+    # TokenDance's approximate reuse of gathered blocks, modelled (router.sim.approx); None:
+    # exact, what SGLang does
+    approx: ApproxReuse | None = None
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # fail early with the list of known presets
@@ -134,7 +139,7 @@ class Simulation:
         self.records: list[StepRecord] = []
         self.inflight: dict[str, _Request] = {}  # rid -> request in an engine
         self.gated: dict[str, _Request] = {}  # pid -> request held by the gate
-        self.moves = 0
+        self.moves: Counter[str] = Counter()  # by reason
         self.wake_at: float | None = None  # extra tick the policy asked for (next_wakeup)
         self._util_area = 0.0
         self._util_t = 0.0
@@ -146,6 +151,12 @@ class Simulation:
         self.clients: dict[str, _Client] = {}  # live program instances by pid
         self.handoffs = HandOffs()  # steps of a task that other programs' steps wait for
         self.warms: Counter[str] = Counter()  # warm-up outcomes (engine answers)
+        self._kv_samples: list[float] = []  # stored KV tokens per live agent, each tick
+        self.blocks = PromptBlocks()  # named prompt blocks of every live program instance
+        self.approx = None
+        if config.approx is not None:
+            restore = restore_cost(self.preset.kv_bytes_per_token, self.preset.bytes_s)
+            self.approx = ApproxStore(config.approx, restore.fused_s_per_token)
         self._build_policy_and_engines()
         self._observe = getattr(self.policy, "observe", None)  # runtime-layer policies only
         self._actions = getattr(self.policy, "runtime_actions", None)
@@ -158,6 +169,7 @@ class Simulation:
         pc = {
             "load_s_per_token": self.preset.kv_bytes_per_token / self.preset.pcie_bytes_s,
             "prefill_s_per_token": prefill_s_per_token(self.preset),
+            "attention_tokens": self.preset.attention_tokens,
         }
         pc.update(cfg.policy_config)
         self.policy: Policy = make_policy(cfg.policy, PolicyConfig(**pc))
@@ -185,10 +197,14 @@ class Simulation:
                 self._push(nt, _ENGINE, name)
 
     # run ---------------------------------------------------------------------------------
-    def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
+    def run(
+        self,
+        progress: Callable[[float], None] | None = None,
+        probe: Callable[[Simulation], None] | None = None,
+    ) -> RunResult:
         """Simulate `duration_s` virtual seconds (open loop: then until the tasks that
         arrived are answered, at most `DRAIN_X` x longer); `progress(fraction)` now and
-        then."""
+        then; `probe(self)` at every tick (bench/live_vs_sim.py samples the state)."""
         started = time.perf_counter()
         cfg = self.config
         horizon = cfg.duration_s
@@ -209,7 +225,10 @@ class Simulation:
             if kind == _ENGINE:
                 self._on_engine(payload)  # type: ignore[arg-type]
             elif kind == _TICK:
+                self._sample_kv()
                 self._policy_call(self.policy.tick(t))
+                if probe is not None:
+                    probe(self)
                 self._push(t + self.policy.config.tick_s, _TICK, None)
             elif kind == _WAKE:
                 if t == self.wake_at:  # else superseded by a later request
@@ -248,7 +267,7 @@ class Simulation:
             "seed": cfg.seed,
             "window": self.policy.config.window,
             "tick_s": self.policy.config.tick_s,
-            "moves": self.moves,
+            "moves": self.moves.total(),
             # requests still held when the run ends: a starving program shows here, since
             # TTFT statistics only count answered steps
             "held_at_end": len(self.gated),
@@ -256,6 +275,7 @@ class Simulation:
                 max((end - r.arrival for r in self.gated.values()), default=0.0), 3
             ),
             "failed_steps": sum(not r.ok for r in self.records),
+            **self._approx_stats(),
             "sim_wall_s": round(wall, 3),
         }
         return summarize(
@@ -268,7 +288,19 @@ class Simulation:
             cpu_ratio=cfg.cpu_ratio,
             gpu_util=gpu_util,
             extra=extra,
+            kv_tokens_per_agent=fmean(self._kv_samples) if self._kv_samples else 0.0,
         )
+
+    def _approx_stats(self) -> dict:
+        if self.approx is None:
+            return {}
+        reuse = self.approx.reuse
+        return {
+            "approx_diff_share": round(reuse.diff_share, 4),
+            "approx_recompute_share": round(reuse.recompute_share, 4),
+            "approx_restore_scale": reuse.restore_scale,
+            "approx_mirrored_tokens": self.approx.mirrored_tokens,
+        }
 
     def _schedule_arrivals(self, rate: float) -> None:
         """Open loop (Tokencake §7.1): tasks arrive as a Poisson process of `rate` per
@@ -288,6 +320,13 @@ class Simulation:
             "tasks_in_flight_mean": round(self._tasks_area / end, 2),
             "tasks_unfinished": self.tasks_live + self._arrivals_left,
         }
+
+    def _sample_kv(self) -> None:
+        """KV of the live agents stored on every replica (both tiers, each token once) per
+        live agent."""
+        if self.clients:
+            stored = sum(e.tree.stored_tokens(self.clients) for e in self.engines.values())
+            self._kv_samples.append(stored / len(self.clients))
 
     def _account_util(self, t: float) -> None:
         if t > self._util_t:
@@ -344,6 +383,11 @@ class Simulation:
                     app=program.app,
                 )
             )
+        round_id = f"{client.session}/{step.round}" if step.round else None
+        segments = self.blocks.advance(client.pid, client.program, step, client.session)
+        if self.approx is not None:
+            self.approx.arrive(client.pid, segments, step.reused_tokens)
+        self.policy.on_prompt(client.pid, segments, round_id)
         self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
         self.gated[client.pid] = req
         self._release_gated()
@@ -360,25 +404,43 @@ class Simulation:
                 self.inflight[req.rid] = req
                 st, program = req.step, req.client.program
                 engine = self.engines[replica]
+                prompt, reused, chain, extra_s = self._engine_terms(pid, replica, st, engine)
                 engine.submit(
                     req.rid,
                     pid,
-                    st.input_tokens,
+                    prompt,
                     st.output_tokens,
                     self.now,
-                    reused_tokens=st.reused_tokens,
+                    reused_tokens=reused,
                     prefix=SharedPrefix.of_program(
                         program.agent,
                         program.anchor_tokens,
                         program.inherit_tokens,
                         req.client.parent,
+                        chain,
                     ),
+                    extra_prefill_s=extra_s,
                 )
                 self._schedule_engine(replica)
 
+    def _engine_terms(
+        self, pid: str, replica: str, step: TraceStep, engine: ReplicaEngine
+    ) -> tuple[int, int, tuple[tuple[str, int], ...], float]:
+        """(prompt, reused, named blocks, extra prefill s) the engine is handed: the step's
+        own, or with approximate reuse modelled, its compressed terms."""
+        chain = self.blocks.chain(pid)
+        if self.approx is None:
+            return step.input_tokens, step.reused_tokens, chain, 0.0
+        prompt, reused, recompute, restored = self.approx.forward(
+            pid, replica, self.blocks.current(pid), step.input_tokens, step.reused_tokens
+        )
+        exact = self.approx.exact_until(pid)
+        extra = engine.cost.prefill_s(recompute, reused) + self.approx.restore_s(restored)
+        return prompt, reused, tuple(c for c in chain if c[1] <= exact), extra
+
     def _policy_call(self, moves: list) -> None:
         """After every policy call: count moves, push hints, release what the moves allow."""
-        self.moves += len(moves)
+        self.moves.update(str(m.reason) for m in moves)
         updates = self.policy.hint_updates()
         if self.policy.sends_hints:
             for replica, hints in updates.items():
@@ -450,6 +512,7 @@ class Simulation:
                 session=client.session,
                 agent=client.program.agent,
                 last=client.step + 1 == len(client.program.steps),
+                round=f"{client.session}/{st.round}" if st.round else None,
             )
         )
         usage = st.input_tokens + st.output_tokens if ev.ok else None
@@ -468,6 +531,9 @@ class Simulation:
             return
         self._policy_call(self.policy.end(client.pid, self.now))
         self.clients.pop(client.pid, None)
+        self.blocks.forget(client.pid)
+        if self.approx is not None:
+            self.approx.forget(client.pid)
         if client.session == client.pid:
             self.handoffs.end(client.session)
         if client.program.parent_id is None:
@@ -476,6 +542,6 @@ class Simulation:
                 self._start_client(None)  # closed loop: the slot takes the next program
 
 
-def simulate(corpus: list[TraceProgram], config: SimConfig, progress=None) -> RunResult:
+def simulate(corpus: list[TraceProgram], config: SimConfig, progress=None, probe=None) -> RunResult:
     """Run one cell (see `Simulation`)."""
-    return Simulation(corpus, config).run(progress)
+    return Simulation(corpus, config).run(progress, probe)
