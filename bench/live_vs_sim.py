@@ -39,6 +39,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from router.demo import Stack, pick_trace, start_stack
+from router.policy.types import Placement, Tier
 from router.replay.client import Replay, ReplayConfig
 from router.replay.records import RunResult
 from router.replay.timeline import Sample, compare, sample, series
@@ -117,15 +118,18 @@ async def _live_sample(
     programs = (await client.get(router + "/v1/programs")).json()["data"]
     metrics = (await client.get(router + "/metrics")).text
     moves: Counter[str] = Counter()  # by reason, whatever the tiers (labels src, dst)
+    tiers: dict[tuple[str, str], int] = {}
     for family in text_string_to_metric_families(metrics):
         for s in family.samples:
             if s.name == "mori_moves_total":
                 moves[s.labels["reason"]] += int(s.value)
+            elif s.name == "mori_tier_tokens":
+                tiers[(s.labels["replica"], s.labels["tier"])] = int(s.value)
     engines = {}
     for url in replicas:
         info = (await client.get(url + "/get_server_info")).json()
         engines[url] = info["mori_usage"]
-    return sample(t, programs, engines, moves)
+    return sample(t, tiers, programs, engines, moves)
 
 
 def sim_cell(
@@ -154,9 +158,19 @@ def sim_cell(
             name: engine.usage() | {k: engine.stats[k] for k in ("admitted", "queue_wait_s")}
             for name, engine in sim.engines.items()
         }
-        timeline.append(sample(now, [v for v in views if v], engines, sim.moves))
+        timeline.append(sample(now, _tiers(sim), [v for v in views if v], engines, sim.moves))
 
     return simulate(corpus, config, probe=probe), timeline
+
+
+def _tiers(sim: Simulation) -> dict[tuple[str, str], int]:
+    """The tokens the simulated policy's tiers book, as the router exports them."""
+    tiers = sim.policy.tiers
+    return {
+        (name, tier.value): tiers.used(Placement(tier, name))
+        for name in sim.engines
+        for tier in (Tier.GPU, Tier.CPU)
+    }
 
 
 def ratio(a: float, b: float) -> float:

@@ -1,12 +1,12 @@
-"""The differential check's samples: the same reduction of program views, engine usages and
-move counts on the live and the simulated side (bench/live_vs_sim.py)."""
+"""The differential check's samples: the same reduction of tier tokens, program views, engine
+usages and move counts on the live and the simulated side (bench/live_vs_sim.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from router.policy import PolicyConfig, make_policy
-from router.policy.types import ReplicaCapacity
+from router.policy.types import Placement, ReplicaCapacity, Tier
 from router.replay.timeline import compare, sample, series
 from router.sim.model import ReplicaEngine
 from router.sim.presets import get_preset
@@ -31,7 +31,8 @@ def test_a_sample_books_tiers_per_replica_and_says_why_requests_are_held():
         "r1": {"device_used_tokens": 250, "queued": 2, "admitted": 4, "queue_wait_s": 2.0},
         "r0": {"device_used_tokens": 90, "host_used_tokens": 500},
     }
-    s = sample(12.0, views, engines, {"demote": 3})
+    tiers = {("r0", "gpu"): 100, ("r1", "gpu"): 200, ("r0", "cpu"): 70, ("r1", "cpu"): 300}
+    s = sample(12.0, tiers, views, engines, {"demote": 3})
     assert s.gpu_tier == [100, 200] and s.cpu_tier == [70, 300]
     assert s.device == [90, 250] and s.host == [500, 0] and s.queued == [0, 2]
     assert s.queue_wait_s == [0.0, 0.5]
@@ -43,10 +44,11 @@ def test_a_sample_books_tiers_per_replica_and_says_why_requests_are_held():
 def test_compare_puts_time_means_side_by_side_and_the_moves_at_the_end():
     engines = {"r0": {"device_used_tokens": 100}}
     live = [
-        sample(t, [view("a", "gpu", "acting", n, "r0")], engines, {"demote": t})
+        sample(t, {("r0", "gpu"): n}, [view("a", "gpu", "acting", n, "r0")], engines, {"demote": t})
         for t, n in ((5, 100), (10, 300))
     ]
-    sim = [sample(5, [view("a", "gpu", "acting", 100, "r0")], engines, {"demote": 1})]
+    views = [view("a", "gpu", "acting", 100, "r0")]
+    sim = [sample(5, {("r0", "gpu"): 100}, views, engines, {"demote": 1})]
     rows = {r.metric: r for r in compare(live, sim)}
     assert rows["gpu_tier[r0]"].live == 200 and rows["gpu_tier[r0]"].ratio == 2.0
     assert rows["moves demote"].live == 10 and rows["moves demote"].sim == 1
@@ -68,7 +70,12 @@ def test_the_simulator_probe_sees_what_the_policy_and_engines_hold():
     def probe(sim: Simulation) -> None:
         views = [sim.policy.describe(pid, sim.now) for pid in sim.policy.programs]
         engines = {n: e.usage() | e.stats for n, e in sim.engines.items()}
-        seen.append(sample(sim.now, views, engines, sim.moves))
+        tiers = {
+            (n, tier.value): sim.policy.tiers.used(Placement(tier, n))
+            for n in sim.engines
+            for tier in (Tier.GPU, Tier.CPU)
+        }
+        seen.append(sample(sim.now, tiers, views, engines, sim.moves))
 
     Simulation(corpus, config).run(probe=probe)
     assert len(seen) >= 10
@@ -94,5 +101,6 @@ def test_policy_views_feed_a_sample_directly():
     policy.add_replica("r0", ReplicaCapacity(1000, 1000))
     policy.on_request("p", 0.0, 100)
     views = [policy.describe(pid, 0.5) for pid in policy.programs]
-    s = sample(0.5, views, {"r0": {}}, {})
-    assert s.gpu_tier == [100]
+    tiers = {("r0", "gpu"): policy.tiers.used(Placement(Tier.GPU, "r0"))}
+    s = sample(0.5, tiers, views, {"r0": {}}, {})
+    assert s.gpu_tier == [100] and s.held == {"cpu": 0, "returning": 0, "new": 0}

@@ -7,11 +7,13 @@ engine itself holds and queues (and how long its queue made requests wait), how 
 requests the gate holds and why, the moves so far by reason, and how many acting programs
 the policy knows the tool call of.
 
-Both sides build their samples with `sample` from the same inputs: the policy's program
-views (`Policy.describe`, which the live router serves at `/v1/programs`), each engine's
-usage (`ReplicaEngine.usage` plus its queue stats; the emulator serves them in
-`/get_server_info` as `mori_usage`), and the move counts (the simulator's, or the router's
-`mori_moves_total`). `compare` reduces two timelines to per-metric means side by side.
+Both sides build their samples with `sample` from the same inputs: the tokens the tiers
+book per replica (`Tiers.used`, which the live router exports as `mori_tier_tokens`; a
+segment several programs share counts once), the policy's program views (`Policy.describe`,
+served at `/v1/programs`), each engine's usage (`ReplicaEngine.usage` plus its queue stats;
+the emulator serves them in `/get_server_info` as `mori_usage`), and the move counts (the
+simulator's, or the router's `mori_moves_total`). `compare` reduces two timelines to
+per-metric means side by side.
 """
 
 from __future__ import annotations
@@ -56,20 +58,19 @@ def held_reason(view: Mapping[str, Any]) -> str:
 
 def sample(
     t: float,
+    tiers: Mapping[tuple[str, str], int],
     views: Iterable[Mapping[str, Any]],
     engines: Mapping[str, Mapping[str, Any]],
     moves: Mapping[str, int],
 ) -> Sample:
-    """One sample from program views, engine usages (by replica name) and move counts."""
+    """One sample from the tiers' tokens ((replica, "gpu" | "cpu") -> tokens), program
+    views, engine usages (by replica name) and move counts."""
     names = sorted(engines)
-    index = {name: i for i, name in enumerate(names)}
-    out = Sample(t, gpu_tier=[0] * len(names), cpu_tier=[0] * len(names))
+    out = Sample(t)
+    out.gpu_tier = [int(tiers.get((name, "gpu"), 0)) for name in names]
+    out.cpu_tier = [int(tiers.get((name, "cpu"), 0)) for name in names]
     held: Counter[str] = Counter()
     for view in views:
-        replica = view.get("replica")
-        if replica in index and view["tier"] in ("gpu", "cpu"):
-            tier = out.gpu_tier if view["tier"] == "gpu" else out.cpu_tier
-            tier[index[replica]] += int(view["context_tokens"])
         if view["status"] == "gated":
             held[held_reason(view)] += 1
         elif view["status"] == "acting" and view["steps"] > 0:
