@@ -61,6 +61,7 @@ class MoriPaperPolicy(Policy):
 
     name = "mori-paper"
     default_aging_s = 0.0  # the paper has no aging; `aging_s` turns ours on
+    CPU_MAY_LEAVE_HOME = False  # a CPU-tier request only ever goes back to its own replica
 
     @property
     def aging_s(self) -> float:
@@ -239,18 +240,15 @@ class MoriPaperPolicy(Policy):
         free = {
             r: self.tiers.free(Placement(Tier.GPU, r)) - self.promotion_reserve(r) for r in replicas
         }
-        if not displace and not self._smallest.any_fits(free):
+        if not displace and not self._smallest.any_fits(free, self.CPU_MAY_LEAVE_HOME):
             return []  # fast path (every event): no held request fits anywhere
         held = self._held_programs()
         if displace:
             self._smallest.rebuild(held)  # drop the entries of requests that left
         else:  # only candidates that fit are ranked
-            widest, cpu = max(free.values()), Tier.CPU
+            widest = max(free.values())
             held = [
-                p
-                for p in held
-                if p.context_tokens
-                <= (free.get(p.placement.replica, -1) if p.placement.tier is cpu else widest)
+                p for p in held if p.context_tokens <= self._promotable_room(p, free, widest, now)
             ]
             if not held:
                 return []
@@ -415,8 +413,18 @@ class MoriPaperPolicy(Policy):
 
     def _may_leave_home(self, p: Program, now: float) -> bool:
         """Whether a held CPU-tier request may be placed on another replica than the one
-        holding its KV (the paper: never; a hook for `mori-priced`)."""
+        holding its KV (the paper: never; a hook for `mori-priced`, which then sets
+        `CPU_MAY_LEAVE_HOME`)."""
         return False
+
+    def _promotable_room(self, p: Program, free: dict[str, int], widest: int, now: float) -> int:
+        """The most free room a held request may be promoted into: a CPU-tier one's own
+        replica's, unless it may leave home (then, like a WAITING one, the widest)."""
+        if p.placement.tier is not Tier.CPU:
+            return widest
+        if self.CPU_MAY_LEAVE_HOME and self._may_leave_home(p, now):
+            return widest
+        return free.get(p.placement.replica, -1)  # type: ignore[arg-type]
 
     def _displace(
         self,
@@ -552,8 +560,15 @@ class _SmallestHeld:
             heapq.heappop(heap)
         return None
 
-    def any_fits(self, free: dict[str, int]) -> bool:
+    def any_fits(self, free: dict[str, int], cpu_anywhere: bool = False) -> bool:
+        """Whether some held request may fit: WAITING ones in the widest room, CPU(r) ones
+        in r's (in the widest too with `cpu_anywhere`: they may leave home after a wait,
+        which the full pass checks)."""
+        widest = max(free.values())
         waiting = self.smallest(None)
-        if waiting is not None and waiting <= max(free.values()):
+        if waiting is not None and waiting <= widest:
             return True
-        return any((c := self.smallest(r)) is not None and c <= f for r, f in free.items())
+        return any(
+            (c := self.smallest(r)) is not None and c <= (widest if cpu_anywhere else f)
+            for r, f in free.items()
+        )

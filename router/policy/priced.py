@@ -67,6 +67,7 @@ class PricedPolicy(MoriPaperPolicy):
 
     name = "mori-priced"
     default_aging_s = 1800.0  # chosen by the sweep in docs/policy.md ("Aging")
+    CPU_MAY_LEAVE_HOME = True  # ... once its wait pays for a recompute elsewhere
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
