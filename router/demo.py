@@ -153,15 +153,17 @@ class Stack:
             time.sleep(0.2)
         raise RuntimeError(f"{name} not healthy at {url} after {timeout_s:g} s")
 
-    def stop(self) -> None:
-        """SIGTERM every process group, then SIGKILL what is left after a grace period."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is left after one shared grace
+        period (not one per process: a stack of three slow stoppers must not take 30 s)."""
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for _, proc in reversed(self.procs):
             try:
-                proc.wait(10)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
