@@ -25,6 +25,7 @@ need it are skipped when it is absent.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -447,11 +448,20 @@ def compare(clients: bool, servers: bool, reps: int, console: Console, probes: b
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--client":
+    parser = argparse.ArgumentParser(
+        description="One candidate in its own process, as `python bench/router_vs_gateway.py "
+        "--clients` / `--servers` start it (run those for the comparison)."
+    )
+    parser.add_argument("--client", nargs=2, metavar=("NAME", "URL"), help="drive the stub")
+    parser.add_argument("--server", nargs=2, metavar=("NAME", "PORT"), help="serve the stub")
+    args = parser.parse_args()
+    if args.client:
         import uvloop
 
         started = time.process_time()
-        count = uvloop.run(CLIENTS[sys.argv[2]](sys.argv[3]))
+        count = uvloop.run(CLIENTS[args.client[0]](args.client[1]))
         print(json.dumps([count, time.process_time() - started]))
-    elif sys.argv[1] == "--server":
-        SERVERS[sys.argv[2]][0](int(sys.argv[3]))
+    elif args.server:
+        SERVERS[args.server[0]][0](int(args.server[1]))
+    else:
+        parser.error("name --client or --server")

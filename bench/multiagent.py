@@ -30,10 +30,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from router.replay.generate import PRESET_DIR
-from router.replay.generators import generate, load_preset
-from router.sim.cli import load_scenario
-from router.sim.simulator import SimConfig, simulate
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project first: bench/kernels.py must not shadow `kernels`
+from router.replay.generate import PRESET_DIR  # noqa: E402
+from router.replay.generators import generate, load_preset  # noqa: E402
+from router.sim.cli import load_scenario  # noqa: E402
+from router.sim.simulator import SimConfig, simulate  # noqa: E402
 
 TASKS = 50  # CacheSage's traces: 50 tasks per workload
 HIT_PP, TTFT_X, TOK_X = 13.0, 0.88, 1.06

@@ -31,9 +31,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from router.policy.mori import MoriPolicy
-from router.replay.trace import load_trace
-from router.sim.simulator import SimConfig, Simulation
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project first: bench/kernels.py must not shadow `kernels`
+from router.policy.mori import MoriPolicy  # noqa: E402
+from router.replay.trace import load_trace  # noqa: E402
+from router.sim.simulator import SimConfig, Simulation  # noqa: E402
 
 DEFAULT_CORPORA = [
     "traces/generated-claude-code-32k.jsonl:1.0",

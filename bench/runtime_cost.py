@@ -16,12 +16,15 @@ import argparse
 import random
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from router.policy.cachesage import CacheSage
-from router.policy.runtime import AgentEvent, EventKind, Item, ItemKind
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project first: bench/kernels.py must not shadow `kernels`
+from router.policy.cachesage import CacheSage  # noqa: E402
+from router.policy.runtime import AgentEvent, EventKind, Item, ItemKind  # noqa: E402
 
 SESSIONS = 8  # live tasks at a time (the multi-agent scenario's concurrency)
 

@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from router.policy import PolicyConfig
-from router.sim.cli import run_cells
-from router.sim.simulator import SimConfig
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project first: bench/kernels.py must not shadow `kernels`
+from router.policy import PolicyConfig  # noqa: E402
+from router.sim.cli import run_cells  # noqa: E402
+from router.sim.simulator import SimConfig  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
