@@ -49,7 +49,7 @@ from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
 TRACE = ROOT / "traces/generated-claude-code-32k.jsonl"
-METRICS = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "hit_device", "hit_host", "miss")
+METRICS = ("output_tok_s", "steps_s", "ttft_mean_s", "ttft_p99_s", "hit_device", "hit_host", "miss")
 
 
 def running_sampler(url: str, stop: threading.Event, out: list[float]) -> None:
@@ -113,6 +113,7 @@ def one_run(
     row = json.loads(out.read_text())["results"][0]
     return {
         **{m: row[m] for m in METRICS},
+        "failed_steps": row.get("failed_steps", 0),  # refused or broken steps: not counted
         "running_mean": statistics.fmean(samples) if samples else 0.0,
     }
 
@@ -171,8 +172,8 @@ def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> 
     """The budget's table and mori's ratios (tok/s, TTFT p99, misses) as Markdown lines."""
     title = f"real SGLang {installed_version()} on CPU, {budget} device tokens, {args.runs} runs"
     table = Table(title=title)
-    heads = ["policy", "out tok/s", "TTFT mean / p99 s", "device / host / miss %", "running"]
-    heads.append("load")
+    heads = ["policy", "out tok/s", "steps/s (failed)", "TTFT mean / p99 s"]
+    heads += ["device / host / miss %", "running", "load"]
     for h in heads:
         table.add_column(h, justify="left" if h == "policy" else "right")
     md = [f"### {budget} device tokens", "", "| " + " | ".join(heads) + " |"]
@@ -180,6 +181,7 @@ def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> 
     for policy, results in rows.items():
         cells = [
             ", ".join(f"{r['output_tok_s']:.1f}" for r in results),
+            ", ".join(f"{r['steps_s']:.2f} ({r['failed_steps']})" for r in results),
             ", ".join(f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.1f}" for r in results),
             ", ".join(
                 f"{100 * r['hit_device']:.1f} / {100 * r['hit_host']:.1f} / {100 * r['miss']:.1f}"
