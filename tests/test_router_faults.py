@@ -125,20 +125,12 @@ def test_hint_endpoint_failures_do_not_stop_serving(status, result):
         assert replica.hint_calls <= 3
 
 
-# `workers: 1` serves every request in the owner's process, where the owner's side runs in
-# the request's task (router/plane/relay.py `_exchange_here`); the default also has a
-# worker process, whose requests go over the link
-BOTH_PATHS = pytest.mark.parametrize("workers", [None, 1], ids=["default", "in-process"])
-
-
-@BOTH_PATHS
-def test_client_disconnect_while_gated(workers):
+def test_client_disconnect_while_gated():
     """(The paper's policy, which holds the leaver behind an idle holder; the default
     would move the holder off the GPU for it.)"""
     with emulator() as (url, _):
         spec = {"url": url, "gpu_tokens": 3000, "cpu_tokens": 0}
-        settings = {"gate_timeout_s": 30.0, "policy": "mori-paper", "workers": workers}
-        with router([spec], **settings) as base:
+        with router([spec], gate_timeout_s=30.0, policy="mori-paper") as base:
             big = "word " * 1600  # two programs' prompts share nothing (else counted once)
             client(base).chat.completions.create(**chat("holder", "holder " + big))
             leaver = chat("leaver", "leaver " + big)
@@ -157,10 +149,9 @@ def test_client_disconnect_while_gated(workers):
             assert client(base).chat.completions.create(**chat("leaver", "leaver " + big)).choices
 
 
-@BOTH_PATHS
-def test_client_disconnect_mid_stream_aborts_the_engine_request(workers):
+def test_client_disconnect_mid_stream_aborts_the_engine_request():
     replica = ScriptedReplica(tokens=200, delay_s=0.02)
-    with serve(replica) as url, router([url], workers=workers) as base:
+    with serve(replica) as url, router([url]) as base:
         body = {**chat("quitter"), **chat("quitter")["extra_body"], "stream": True}
         body.pop("extra_body")
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=10) as r:
@@ -214,13 +205,12 @@ def test_client_that_leaves_a_long_prefill_frees_the_engine():
         assert_clean(base)
 
 
-@BOTH_PATHS
-def test_client_that_leaves_after_done_was_served(workers):
+def test_client_that_leaves_after_done_was_served():
     """The OpenAI SDK closes the connection at `[DONE]`, before the engine ends its
     response: that request was served (its usage reaches the policy, no abort is sent),
     not a client disconnect."""
     engine = ScriptedReplica(linger_s=0.5, count_prompt=True)
-    with serve(engine) as url, router([url], workers=workers) as base:
+    with serve(engine) as url, router([url]) as base:
         c = client(base)
         for i in range(3):
             chunks = list(c.chat.completions.create(**chat(f"done-{i}", "x" * 400), stream=True))
