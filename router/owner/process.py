@@ -244,17 +244,14 @@ async def serve(config: RouterConfig) -> None:
 async def _in_process_worker(
     router: Router, config: RouterConfig, admin_url: str, listen: socket.socket, stop: Any
 ) -> None:
-    """One of the data-plane workers runs in the owner's process and event loop: a request
-    runs its `Exchange` in the request's own task (no round trip, no task or message per
-    request), the rest of the link (drains, rejoins, silence) is two direct calls, and on
-    a machine of N cores the router is N processes, not N + 1 (`workers: 1` is one)."""
+    """One of the data-plane workers runs in the owner's process and event loop, its link
+    two direct calls: its requests cost no round trip, and on a machine of N cores the
+    router is N processes, not N + 1 (`workers: 1` is one process)."""
     from router.plane.worker import OwnerLink, Worker
 
     to_worker, to_owner = LocalLink(), LocalLink()
     owner_end = WorkerLink(router, lambda _: None, to_worker)
-    worker_end = OwnerLink(
-        None, to_owner, lambda ticket, forward: Exchange(router, ticket, forward).run()
-    )
+    worker_end = OwnerLink(None, to_owner)
     to_worker.deliver, to_owner.deliver = worker_end.on_message, owner_end.on_message
     worker = worker_end.worker = Worker(
         config, admin_url, worker_end, router.upstream, router.wants_anchors

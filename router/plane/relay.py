@@ -33,7 +33,7 @@ from router.wire.server import BodyTooLarge, Request
 from router.wire.upstream import Broken, ConnectFailed, Connection, InvalidRequest, Response
 
 if TYPE_CHECKING:
-    from router.plane.worker import Decide, Worker
+    from router.plane.worker import Worker
 
 log = logging.getLogger("mori.relay")
 
@@ -114,9 +114,6 @@ class Relay:
         self, ticket: Ticket, prepared: Prepared, headers: list[tuple[bytes, bytes]]
     ) -> None:
         link = self.worker.link
-        if link.decide is not None:
-            await self._exchange_here(link.decide, ticket, prepared, headers)
-            return
         seq = link.open(ticket)
         attempting = False
         try:
@@ -131,45 +128,15 @@ class Relay:
                 if outcome.retry is None:
                     return
         except asyncio.CancelledError:  # the client left
-            if attempting:
-                link.report(seq, self._left())
+            if attempting and self.answered:  # after the whole streamed answer: served
+                link.report(seq, self.outcome)
+            elif attempting:  # the attempt is over: neither served nor the replica's fault
+                link.report(seq, Outcome(status="client_disconnect"))
             else:  # held by the owner (gated): it cancels the request there
                 link.cancel(seq)
             raise
         finally:
             link.forget(seq)
-
-    async def _exchange_here(
-        self,
-        decide: Decide,
-        ticket: Ticket,
-        prepared: Prepared,
-        headers: list[tuple[bytes, bytes]],
-    ) -> None:
-        """The exchange in the owner's own process: the owner's side runs in this task and
-        each attempt is a direct call (no task, future or message per request). What the
-        owner learns is what the link would carry: a client that leaves while held cancels
-        the owner's side (the same cancellation), one that leaves during an attempt is
-        reported as its outcome (`_left`) and then ends this task."""
-        left: list[asyncio.CancelledError] = []
-
-        async def forward(url: str) -> Outcome:
-            try:
-                return await self._attempt(url, prepared, headers)
-            except asyncio.CancelledError as e:  # the owner's books run (no await) first
-                left.append(e)
-                return self._left()
-
-        error = await decide(ticket, forward)
-        if left:
-            raise left[0]
-        if error is not None:
-            raise error
-
-    def _left(self) -> Outcome:
-        """The report of an attempt the client left: served if it had the whole streamed
-        answer, else neither served nor the replica's fault."""
-        return self.outcome if self.answered else Outcome(status="client_disconnect")
 
     # one attempt -----------------------------------------------------------------------
     async def _attempt(

@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from router.config import RouterConfig
@@ -55,20 +55,12 @@ HOP_HEADERS |= {b"expect", b"upgrade", b"te", b"trailer", b"proxy-connection"}
 STOP_GRACE_S = 10.0
 
 
-# the owner's side of one request, called directly in the owner's own process: the ticket
-# and the attempt function in, the error to answer (or None) out (router/owner/exchange.py)
-Decide = Callable[[Ticket, Callable[[str], Awaitable[Outcome]]], Awaitable[ApiError | None]]
-
-
 class OwnerLink:
     """The worker's end of the link: one pending instruction per request in flight."""
 
-    def __init__(
-        self, worker: Worker | None, link: LocalLink | None = None, decide: Decide | None = None
-    ) -> None:
+    def __init__(self, worker: Worker | None, link: LocalLink | None = None) -> None:
         self.worker = worker  # None until the owner's HELLO configured it
         self.link: Link | LocalLink = link or Link(self.on_message, self._on_lost)
-        self.decide = decide  # in the owner's process: requests skip the link (Relay)
         self.hello: asyncio.Future[tuple[Any, ...]] = asyncio.get_running_loop().create_future()
         self.lost = asyncio.Event()
         self._seq = 0
