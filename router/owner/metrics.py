@@ -179,7 +179,9 @@ class RouterMetrics:
     def record_hits(self, replica: str, usage: Usage) -> None:
         """Count one call's prompt tokens by where the engine found them."""
         hits = usage.hits()
-        for source, tokens in hits._asdict().items() if hits else ():
+        if hits is None:
+            return
+        for source, tokens in zip(HIT_SOURCES, hits, strict=True):  # CacheHits' order
             self.child(self.prompt_cache_tokens, replica, source).inc(tokens)
 
     def record_moves(self, moves: list[Move]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -198,6 +199,7 @@ class Worker:
         timeouts = Timeouts(self.config.header_timeout_s, self.config.keepalive_timeout_s)
         server = Server(self.handle, self.config.max_body_bytes, timeouts)
         await server.start(listen)
+        _tune_gc()
         watch = asyncio.create_task(self.watch())
         stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self.link.lost.wait())
         await asyncio.wait([stopped, lost], return_when="FIRST_COMPLETED")
@@ -207,6 +209,20 @@ class Worker:
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         self.intake.close()
+
+
+GC_YOUNG = 10_000  # allocations between young collections (CPython's default: 700)
+
+
+def _tune_gc() -> None:
+    """The cyclic collector, for a server: what starting made (modules, config, policy,
+    metrics) lives as long as the process, so it is frozen out of the collector's reach
+    (a full pass walked it: ~20 ms each); and a young collection waits for more
+    allocations than the few thousand objects the requests in flight hold (at the default,
+    most young passes found only those alive). Under load the collector took ~4 % of the
+    CPU, now ~0.3 % (bench/router_vs_gateway.py, 50 streams)."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG)
 
 
 async def serve(listen_fd: int, link_fd: int) -> None:

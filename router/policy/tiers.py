@@ -138,8 +138,15 @@ class Tiers:
         if placed:
             self._enter(program, place)
 
+    def _holders_at(self, place: Placement) -> Counter[str]:
+        """The place's segment holders (not `setdefault`: that built a Counter per call)."""
+        holders = self._holders.get(place)
+        if holders is None:
+            holders = self._holders[place] = Counter()
+        return holders
+
     def _enter(self, program: Program, place: Placement) -> None:
-        holders = self._holders.setdefault(place, Counter())
+        holders = self._holders_at(place)
         used = program.context_tokens
         for s in program.shared:
             holders[s.chain] += 1
@@ -148,7 +155,7 @@ class Tiers:
         self._used[place] = self._used.get(place, 0) + used
 
     def _leave(self, program: Program, place: Placement) -> None:
-        holders = self._holders.setdefault(place, Counter())
+        holders = self._holders_at(place)
         freed = program.context_tokens
         for s in program.shared:
             holders[s.chain] -= 1

@@ -128,6 +128,10 @@ def openai_body(content: bytes) -> Usage:
     return usage
 
 
+_READ_MARKERS = (b'"usage"', b'"sglext"', b'"tool_calls"')  # an event the filter must read
+_DONE = (b"data: [DONE]", b"data:[DONE]")
+
+
 class OpenAIStream:
     """Reads an OpenAI SSE stream event by event, passing bytes through unchanged except
     the forced usage and cache-details chunks (dropped, or the forced field removed from a
@@ -143,12 +147,23 @@ class OpenAIStream:
         self._args: dict[int, list[str]] = {}  # tool call index -> argument fragments
 
     def feed(self, chunk: bytes) -> bytes:
-        """Bytes to send on for this chunk (whole events only; partial ones wait)."""
+        """Bytes to send on for this chunk (whole events only; partial ones wait).
+
+        The events before the first one that names a field the router reads go on as
+        they are, joined in one call: most events of an answer are plain content deltas,
+        and looking at them one by one was most of the filter's cost."""
         self._buffer += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
         if b"\n\n" not in self._buffer:
             return b""
-        *events, self._buffer = self._buffer.split(b"\n\n")
-        return b"".join(self._event(e) for e in events)
+        buffer = self._buffer
+        *events, self._buffer = buffer.split(b"\n\n")
+        marks = [at for mark in _READ_MARKERS if (at := buffer.find(mark)) >= 0]
+        # a mark holds no newline, so the separators before it are the split's own
+        plain = buffer.count(b"\n\n", 0, min(marks)) if marks else len(events)
+        out = b"\n\n".join(events[:plain]) + b"\n\n" if plain else b""
+        if not self.ended and b"[DONE]" in out:
+            self.ended = any(e.strip() in _DONE for e in events[:plain])
+        return out + b"".join(self._event(e) for e in events[plain:])
 
     def flush(self) -> bytes:
         rest, self._buffer = self._buffer, b""
@@ -167,7 +182,7 @@ class OpenAIStream:
         has_usage = b'"usage"' in event and b'"usage":null' not in event.replace(b" ", b"")
         has_ext = b'"sglext"' in event
         if not has_usage and not has_ext and b'"tool_calls"' not in event:
-            self.ended = self.ended or event.strip() in (b"data: [DONE]", b"data:[DONE]")
+            self.ended = self.ended or event.strip() in _DONE
             return out
         doc = _sse_json(event)
         if doc is None:
@@ -281,7 +296,11 @@ class AnthropicStream:
 
 def _sse_json(event: bytes) -> dict[str, Any] | None:
     """The JSON object in an SSE event's data lines, or None."""
-    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    if b"\n" not in event:  # one line, as engines send: no join
+        data = event[5:].strip() if event.startswith(b"data:") else b""
+    else:
+        lines = event.split(b"\n")
+        data = b"".join(line[5:].strip() for line in lines if line.startswith(b"data:"))
     if not data or data == b"[DONE]":
         return None
     try:

@@ -145,7 +145,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    if not _shallow(body, MAX_DEPTH):
+    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and not _shallow(body, MAX_DEPTH):
         raise ApiError(
             400, f"request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json"
         )
@@ -153,14 +153,18 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 def _shallow(doc: Any, limit: int) -> bool:
-    """No object/array chain deeper than `limit` (iterative: deep input cannot recurse)."""
-    stack = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
+    """No object/array chain deeper than `limit` (iterative: deep input cannot recurse).
+    `parse_json_object` asks only when the body has more than `limit` opening brackets:
+    a chain needs one per level, so fewer cannot be too deep."""
+    level, depth = [doc], 1
+    while level:
         if depth > limit:
             return False
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+        below = []
+        for node in level:
+            below.extend(c for c in (node.values() if isinstance(node, dict) else node)
+                         if isinstance(c, dict | list))  # fmt: skip
+        level, depth = below, depth + 1
     return True
 
 
