@@ -101,7 +101,14 @@ def test_keep_running_stack_stops_on_interrupt(tmp_path):
         str(tmp_path),
     )
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        # as from a terminal: a suite started in the background by a non-interactive shell
+        # runs with SIGINT ignored, which its children would inherit (and keep, rightly)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         lines = []
