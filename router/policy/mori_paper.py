@@ -247,9 +247,7 @@ class MoriPaperPolicy(Policy):
             self._smallest.rebuild(held)  # drop the entries of requests that left
         else:  # only candidates that fit are ranked
             widest = max(free.values())
-            held = [
-                p for p in held if p.context_tokens <= self._promotable_room(p, free, widest, now)
-            ]
+            held = [p for p in held if self._may_fit(p, free, widest, now)]
             if not held:
                 return []
         idleness = self._ranking(now)
@@ -373,14 +371,14 @@ class MoriPaperPolicy(Policy):
         """The first of its target replicas it fits on (`_replicas_for`: the paper's last
         replica, whose host tier may still hold the KV, then the one with most room); what it
         needs there counts the shared segments the replica holds already once (Tiers.need)."""
-        gpu = {r: self.tiers.need(p, Placement(Tier.GPU, r)) for r in free}
-        r = next((r for r in self._replicas_for(p, free, now) if gpu[r] <= free[r]), None)
-        if r is None:
-            return False
-        free[r] -= gpu[r]
-        reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
-        moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
-        return True
+        for r in self._replicas_for(p, free, now):
+            need = self.tiers.need(p, Placement(Tier.GPU, r))
+            if need <= free[r]:
+                free[r] -= need
+                reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
+                moves.append(self._move(p, Placement(Tier.GPU, r), reason, now))
+                return True
+        return False
 
     def _swap_returning(
         self,
@@ -399,7 +397,7 @@ class MoriPaperPolicy(Policy):
         for p in ranked:
             if victims.threshold(p) > victims.most_idle(order):
                 return
-            for r in self._replicas_for(p, free, now):
+            for r in self._swap_replicas(p, free, now):
                 swap = self._displace(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
                 if swap:
                     moves += swap
@@ -411,20 +409,28 @@ class MoriPaperPolicy(Policy):
         order tried (a hook: `mori-priced` keeps a returning program on its own replica)."""
         return _affine_first(p, free)
 
+    def _swap_replicas(self, p: Program, free: dict[str, int], now: float) -> list[str]:
+        """Replicas a class-2 swap may make room on for `p`, in the order tried (a hook:
+        `mori-priced` swaps only on the program's own replica)."""
+        return self._replicas_for(p, free, now)
+
     def _may_leave_home(self, p: Program, now: float) -> bool:
         """Whether a held CPU-tier request may be placed on another replica than the one
         holding its KV (the paper: never; a hook for `mori-priced`, which then sets
         `CPU_MAY_LEAVE_HOME`)."""
         return False
 
-    def _promotable_room(self, p: Program, free: dict[str, int], widest: int, now: float) -> int:
-        """The most free room a held request may be promoted into: a CPU-tier one's own
-        replica's, unless it may leave home (then, like a WAITING one, the widest)."""
+    def _may_fit(self, p: Program, free: dict[str, int], widest: int, now: float) -> bool:
+        """Whether a held request fits room a promotion pass may give it: a WAITING one the
+        widest; a CPU-tier one its own replica's, or, once it may leave home, the widest
+        (cheap tests first: whether it may leave prices a recompute per replica)."""
         if p.placement.tier is not Tier.CPU:
-            return widest
-        if self.CPU_MAY_LEAVE_HOME and self._may_leave_home(p, now):
-            return widest
-        return free.get(p.placement.replica, -1)  # type: ignore[arg-type]
+            return p.context_tokens <= widest
+        if p.context_tokens <= free.get(p.placement.replica, -1):  # type: ignore[arg-type]
+            return True
+        return (
+            self.CPU_MAY_LEAVE_HOME and p.context_tokens <= widest and self._may_leave_home(p, now)
+        )
 
     def _displace(
         self,

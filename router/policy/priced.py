@@ -34,7 +34,7 @@ from itertools import count
 from typing import Any
 
 from router.policy.base import PolicyConfig
-from router.policy.mori_paper import Classes, Idleness, MoriPaperPolicy, _VictimPool
+from router.policy.mori_paper import Classes, Idleness, MoriPaperPolicy
 from router.policy.predictor import DurationPredictor
 from router.policy.program import Program
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
@@ -188,18 +188,12 @@ class PricedPolicy(MoriPaperPolicy):
         finally:
             self._waited_for = set()
 
-    def _swap_returning(
-        self,
-        ranked: list[Program],
-        free: dict[str, int],
-        victims: _VictimPool,
-        now: float,
-        moves: list[Move],
-    ) -> None:
+    def _swap_replicas(self, p: Program, free: dict[str, int], now: float) -> list[str]:
         """The paper's idleness swaps, on a returning program's own replica only: moving
         others off a replica to make room for a program whose KV is elsewhere pays twice."""
-        with self._at_home():
-            super()._swap_returning(ranked, free, victims, now, moves)
+        if p.last_replica in free:
+            return [p.last_replica]  # type: ignore[list-item]
+        return super()._swap_replicas(p, free, now)
 
     @contextlib.contextmanager
     def _at_home(self) -> Iterator[None]:
@@ -223,8 +217,12 @@ class PricedPolicy(MoriPaperPolicy):
         programs change replica (the paper: under 3 %) and threw their caches away."""
         if replica == p.last_replica or replica not in self.prices:
             return False
-        cost = self.prices[replica].recompute_s(p.context_tokens) * (1 + self.reasoning_on(replica))
-        return now - p.last_active_s >= self.config.home_wait * cost
+        return now - p.last_active_s >= self.config.home_wait * self.recompute_cost_s(p, replica)
+
+    def recompute_cost_s(self, p: Program, replica: str) -> float:
+        """Seconds prefilling `p`'s whole context on `replica` costs: once for `p` and once
+        for every step running there, which the prefill batch stalls meanwhile."""
+        return self.prices[replica].recompute_s(p.context_tokens) * (1 + self.reasoning_on(replica))
 
     def expected_idle_s(self, p: Program, now: float) -> float:
         """Expected seconds until an ACTING program's next request."""
@@ -247,10 +245,9 @@ class PricedPolicy(MoriPaperPolicy):
         pays a prefill for it (generated corpus, 80 programs, CPU ratio 1: 245 tok/s
         without the two terms against 316 with them)."""
         replica: str = p.placement.replica  # type: ignore[assignment]
-        prices, tokens = self.prices[replica], p.context_tokens
         if kept_on_host:
-            return prices.reload_s(tokens)
-        return prices.recompute_s(tokens) * (1 + self.reasoning_on(replica)) + self.return_wait_s
+            return self.prices[replica].reload_s(p.context_tokens)
+        return self.recompute_cost_s(p, replica) + self.return_wait_s
 
     def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
         view = super().describe(program_id, now)
