@@ -79,6 +79,7 @@ class RouterConfig(BaseModel):
     new_program_tokens: int = Field(default=_POLICY.new_program_tokens, gt=0)
     aging_s: float | None = Field(default=_POLICY.aging_s, ge=0)
     displace_margin: float = Field(default=_POLICY.displace_margin, gt=0)
+    displace_confidence: float = Field(default=_POLICY.displace_confidence, gt=0, le=1)
     home_wait: float = Field(default=_POLICY.home_wait, ge=0)
     critical_ratio: float = Field(default=_POLICY.critical_ratio, ge=0, le=1)
     w_static: float = Field(default=_POLICY.w_static, ge=0)

@@ -196,3 +196,25 @@ def test_describe_shows_the_expected_idle_time():
     policy = make()
     acting(policy, "a", 0.0, 300, "Bash:pytest")
     assert policy.describe("a", 2.0)["expected_idle_s"] == pytest.approx(30.0)
+
+
+def teach_mixed(policy: PricedPolicy, tool: str) -> None:
+    """Calls of `tool`: 4 in 5 take 1 s, 1 in 5 takes 200 s (mean residual at 0 s: 40.8 s)."""
+    for _ in range(4 * MIN_DIST_SAMPLES):
+        policy.predictor.observe(None, tool, 1.0)
+    for _ in range(MIN_DIST_SAMPLES):
+        policy.predictor.observe(None, tool, 200.0)
+
+
+@pytest.mark.parametrize(("confidence", "moved"), [(0.3, False), (0.1, True)])
+def test_a_victim_that_usually_comes_back_soon_is_not_moved(confidence, moved):
+    """No host room: moving `a` costs an 8 s recompute. Its tool's mean residual (~40 s)
+    covers that, but 4 calls in 5 end within a second: at confidence 0.3 it stays; at 0.1
+    (the long calls alone make it pay) it goes."""
+    policy = make(cpu=0, prefill_s_per_token=1e-2, displace_confidence=confidence)
+    teach_mixed(policy, "bash")
+    acting(policy, "a", 0.0, 800, tool="bash")
+    assert policy.expected_idle_s(policy.programs["a"], 1.0) > 30.0
+    policy.on_request("n", 1.05, 400)
+    assert (policy.route("n") == "r0") is moved
+    assert (where(policy, "a") == GPU0) is not moved

@@ -131,3 +131,31 @@ def test_prices_ignore_samples_that_say_nothing():
     prices.observe(5000, 4990, 0, 5.0)  # all cached on device
     prices.observe(5000, 0, 0, float("nan"))
     assert (prices.prefill.value, prices.load.value) == before
+
+
+def test_survival_is_the_share_of_calls_that_last_longer():
+    """Half the calls take 1 s, half 100 s: after 0.5 s, half survive another 10 s; once
+    past 1 s, all that remain are long ones; past every observation there is no answer."""
+    dist = filled([1.0] * 500 + [100.0] * 500)
+    assert dist.survival(0.5, 10.0) == pytest.approx(0.5, abs=0.02)
+    assert dist.survival(5.0, 10.0) == pytest.approx(1.0)
+    assert dist.survival(0.0, 0.0) == pytest.approx(1.0)
+    assert dist.survival(500.0, 1.0) is None
+
+
+def test_heavy_tails_make_the_mean_residual_a_poor_guide_to_the_typical_call():
+    """Pareto(alpha=1.2): the mean residual at 1 s is ~5 s, yet only ~1 call in 10 lasts
+    5 s more: a move priced at 5 s is paid back on average, not usually."""
+    rng = random.Random(3)
+    dist = filled(rng.paretovariate(1.2) for _ in range(50_000))
+    assert dist.remaining_s(1.0) > 3.0
+    assert dist.survival(1.0, 5.0) == pytest.approx(6.0**-1.2, abs=0.03)
+
+
+def test_predictor_survival_needs_a_distribution():
+    predictor = DurationPredictor()
+    assert predictor.stays_p(None, "bash", 0.0, 1.0) is None
+    for _ in range(MIN_DIST_SAMPLES):
+        predictor.observe(None, "bash", 2.0)
+    assert predictor.stays_p(None, "bash", 0.0, 1.0) == pytest.approx(1.0)
+    assert predictor.stays_p(None, "bash", 0.0, 5.0) == pytest.approx(0.0)

@@ -67,9 +67,12 @@ class PolicyConfig:
     # context at which attention costs as much as the weights: Llama-3.1-8B's by default)
     attention_tokens: float = 30_000.0
     displace_margin: float = 1.0  # mori: a move pays if expected idle >= margin x its cost
+    # mori: ... and if the victim stays away that long with at least this probability
+    # (heavy-tailed tool times: the mean residual alone counts on rare hour-long calls)
+    displace_confidence: float = 0.3
     # mori: a returning program waits for its own replica until its wait reaches this
     # multiple of the recompute another replica would cost (ski rental; 0: no affinity)
-    home_wait: float = 30.0
+    home_wait: float = 100.0
     # mori+space (Tokencake §5): critical agent types and their reserved GPU room
     critical_ratio: float = 0.3  # share of the live agent types that are critical
     # static priority (depth x out-degree) weight; the dynamic term of a request waiting

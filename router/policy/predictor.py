@@ -231,6 +231,17 @@ class DurationPredictor:
                 return dist.remaining_s(elapsed_s)
         return self.history(agent, tool)
 
+    def stays_p(
+        self, agent: str | None, tool: str, elapsed_s: float, more_s: float
+    ) -> float | None:
+        """P(a call of `tool` that has run `elapsed_s` runs `more_s` longer), from the most
+        specific level with a distribution; None without one (cold start)."""
+        for level in self._levels(agent, tool):
+            dist = self._dists.get(level)
+            if dist is not None and dist.observations >= MIN_DIST_SAMPLES:
+                return dist.survival(elapsed_s, more_s)
+        return None
+
     def error_stats(self) -> dict[str, ErrorStats]:
         """Absolute and relative error distribution (p50 / p90) per tool kind.
 

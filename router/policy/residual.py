@@ -77,6 +77,22 @@ class DurationDistribution:
         total = sums[b + 1] + share * self._counts[b] * above_in_bin
         return max(0.0, total / n - a)
 
+    def survival(self, elapsed_s: float, more_s: float) -> float | None:
+        """P(D > a + x | D > a) for a = `elapsed_s`, x = `more_s`; None past the data."""
+        counts, _ = self._suffixes()
+
+        def above(t: float) -> float:
+            b = _bin(t)
+            lo, hi = EDGES[b], EDGES[b + 1]
+            share = 1.0 if t <= lo else max(0.0, (hi - t) / (hi - lo))
+            return counts[b + 1] + share * self._counts[b]
+
+        a = max(0.0, float(elapsed_s))
+        n = above(a)
+        if n <= 1e-12 * (counts[0] or 1.0):
+            return None
+        return above(a + max(0.0, more_s)) / n
+
     def _suffixes(self) -> tuple[list[float], list[float]]:
         """Counts and sums of bins b.. for every b (cached until the next observation)."""
         if self._table is None:
