@@ -4,6 +4,7 @@
     python bench/real_engine_ab.py --runs 1 --duration 60 --policies mori,smg
     python bench/real_engine_ab.py --write bench/results/2026-11-23-real-engine-ab.md
     python bench/real_engine_ab.py --policies mori,smg,smg-gateway --max-total-tokens 3072 12288
+    python bench/real_engine_ab.py --model-shape 512x8     # a model whose misses cost seconds
 
 `smg-gateway` is the real SGLang Model Gateway (`smg` 1.13, its cache-aware policy, installed
 as bench/gateways.py says) in front of the same fresh engine, instead of `mori serve`.
@@ -128,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-total-tokens", type=int, nargs="+", default=[6144], help="device KV budgets"
     )
+    parser.add_argument(
+        "--model-shape",
+        default="64x2",
+        help="HIDDENxLAYERS of the random-weight model: "
+        "512x8 prefills ~1,000 tokens/s on 2 cores, so a miss costs seconds as on a GPU",
+    )
     parser.add_argument("--tick-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smg-python", type=Path, default=SMG_PYTHON)
@@ -140,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     md: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mori-ab-") as tmp:
         work = Path(tmp)
-        model = build_tiny_model(work / "tiny")
+        hidden, layers = (int(x) for x in args.model_shape.split("x"))
+        model = build_tiny_model(work / "model", hidden, layers)
         for budget in args.max_total_tokens:
             rows = runs(args, policies, model, work, budget, console)
             md += report(args, budget, rows, console)
@@ -170,13 +178,20 @@ def runs(args, policies, model, work, budget, console) -> dict[str, list[dict]]:
 
 def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> list[str]:
     """The budget's table and mori's ratios (tok/s, TTFT p99, misses) as Markdown lines."""
-    title = f"real SGLang {installed_version()} on CPU, {budget} device tokens, {args.runs} runs"
+    title = (
+        f"real SGLang {installed_version()} on CPU, model {args.model_shape}, "
+        f"{budget} device tokens, {args.runs} runs"
+    )
     table = Table(title=title)
     heads = ["policy", "out tok/s", "steps/s (failed)", "TTFT mean / p99 s"]
     heads += ["device / host / miss %", "running", "load"]
     for h in heads:
         table.add_column(h, justify="left" if h == "policy" else "right")
-    md = [f"### {budget} device tokens", "", "| " + " | ".join(heads) + " |"]
+    md = [
+        f"### model {args.model_shape}, {budget} device tokens",
+        "",
+        "| " + " | ".join(heads) + " |",
+    ]
     md.append("|---|" + "---:|" * (len(heads) - 1))
     for policy, results in rows.items():
         cells = [

@@ -81,9 +81,19 @@ def server_env() -> dict[str, str]:
     }
 
 
-def build_tiny_model(out: Path) -> Path:
+def build_tiny_model(out: Path, hidden: int = 64, layers: int = 2) -> Path:
+    """The random-weight test model (tiny_model.py); wider and deeper ones make a prefill,
+    hence a cache miss, cost more relative to a decode step."""
     subprocess.run(
-        [str(PYTHON), str(HERE / "tiny_model.py"), str(out)],
+        [
+            str(PYTHON),
+            str(HERE / "tiny_model.py"),
+            str(out),
+            "--hidden",
+            str(hidden),
+            "--layers",
+            str(layers),
+        ],
         env=server_env(),
         check=True,
         capture_output=True,

@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONTEXT_TOKENS = 40960
 VOCAB = 512
+HIDDEN, LAYERS = 64, 2  # the test model; bench/real_engine_ab.py widens it to make a miss cost
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -44,7 +45,9 @@ def training_text() -> list[str]:
     return replay + phrases
 
 
-def build(out: Path, context: int = CONTEXT_TOKENS) -> Path:
+def build(
+    out: Path, context: int = CONTEXT_TOKENS, hidden: int = HIDDEN, layers: int = LAYERS
+) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -73,9 +76,9 @@ def build(out: Path, context: int = CONTEXT_TOKENS) -> Path:
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=context,
@@ -103,6 +106,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="model directory to write")
     parser.add_argument("--context", type=int, default=CONTEXT_TOKENS, help="context tokens")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="hidden size (4 heads)")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers")
     args = parser.parse_args()
     _load_cpu_shim()
-    print(build(args.out, args.context))
+    print(build(args.out, args.context, args.hidden, args.layers))
