@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,7 @@ from router.replay.trace import TraceError, TraceProgram, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE_CANDIDATES = ("traces/generated-claude-code-32k.jsonl", "traces/generated-claude-code.jsonl")
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 FALLBACK_TRACE = ("traces/claude-code-sample.jsonl", 0.05)  # Claude-sized contexts: scale down
 
 
@@ -136,6 +138,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,  # Ctrl-C reaches us only; we stop the children
+            preexec_fn=_die_with(os.getpid()),
         )
         self.procs.append((name, proc))
         self.urls[name] = url
@@ -169,6 +172,21 @@ class Stack:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """A child's pre-exec hook: SIGTERM it when the demo dies, even by SIGKILL (which no
+    handler of ours sees), so no orphaned stack keeps its ports (Linux; elsewhere None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def hook() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the demo died before the prctl took effect
+            os._exit(1)
+
+    return hook
 
 
 @contextlib.contextmanager

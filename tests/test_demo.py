@@ -87,7 +87,8 @@ def test_demo_rejects_unknown_policy(tmp_path):
     assert done.returncode == 2 and "--reps must be at least 1" in done.stdout
 
 
-def test_keep_running_stack_stops_on_interrupt(tmp_path):
+def _keep_running(tmp_path) -> tuple[subprocess.Popen, str]:
+    """`mori demo --keep-running` of one policy, once its stack is up: (process, router)."""
     argv = mori(
         "demo",
         "--policy",
@@ -110,20 +111,41 @@ def test_keep_running_stack_stops_on_interrupt(tmp_path):
         # runs with SIGINT ignored, which its children would inherit (and keep, rightly)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    lines = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "stays up" in line or proc.poll() is not None:
+            break
+    router = next((ln.split()[1] for ln in lines if ln.startswith("router: ")), None)
+    if router is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("".join(lines))
+    health = router.removesuffix("/v1") + "/health"
+    assert httpx.get(health).status_code == 200
+    return proc, health
+
+
+def test_keep_running_stack_stops_on_interrupt(tmp_path):
+    proc, health = _keep_running(tmp_path)
     try:
-        lines = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "stays up" in line or proc.poll() is not None:
-                break
-        router = next(ln.split()[1] for ln in lines if ln.startswith("router: "))
-        assert httpx.get(router.removesuffix("/v1") + "/health").status_code == 200
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 130
-        assert _no_listener(router.removesuffix("/v1") + "/health")
+        assert _no_listener(health)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_killed_demo_takes_its_stack_with_it(tmp_path):
+    """SIGKILL reaches no handler: the children go because the kernel tells them their
+    parent died (they run in sessions of their own, so nothing else would reach them)."""
+    proc, health = _keep_running(tmp_path)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while not _no_listener(health) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _no_listener(health)
