@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from router.policy.types import EngineMode, MoveReason, Placement, Tier
+from router.policy import PolicyConfig, make_policy
+from router.policy.baselines import TA_PROGRAM_OVERHEAD as OH
+from router.policy.types import EngineMode, MoveReason, Placement, ReplicaCapacity, Segment, Tier
 from tests.test_policy_mori import GPU0, WAIT, by_reason, make, shrink, step, where
 
 
@@ -168,3 +170,20 @@ def test_ta_resume_waits_for_the_tick_after_a_lazy_pause():
     policy.tick(5.0)
     assert policy.route("n") == "r0"
     assert where(policy, "n") == Placement(Tier.GPU, "r0")
+
+
+def test_ta_resume_counts_a_segment_the_replica_holds_once():
+    """`c` holds a 300-token segment on r0; `a` and `b` share it, so each needs 100 new
+    tokens there. After `hog` ends, one resume pass must place both: costing each at its
+    whole context (400 + 100 overhead) would leave `b` held though it fits."""
+    policy = make_policy("ta", PolicyConfig(tick_s=0.0))
+    policy.add_replica("r0", ReplicaCapacity(1000 + 3 * OH, 0))
+    shared = Segment("s", "scenario", 300)
+    for pid, tokens in (("c", 400), ("hog", 600 + OH), ("a", 400), ("b", 400)):
+        if pid != "hog":
+            policy.on_prompt(pid, (shared,))
+        policy.on_request(pid, 0.0, tokens)
+    assert policy.route("a") is None and policy.route("b") is None
+    policy.end("hog", 1.0)
+    policy.tick(1.0)
+    assert policy.route("a") == "r0" and policy.route("b") == "r0"

@@ -239,12 +239,21 @@ CPU_LEAVES_HOME = [
     (0.0, ("cap", "r2", 50, 300)), (0.0, ("tick",)), (0.0, _A), (0.0, _A),
     (0.0, ("act", 4, 0, 0)), (0.0, ("act", 4, 0, 0)), (1.0, _A),
 ]  # fmt: skip
+# The end of a program that held no room still runs a promotion pass: time has passed,
+# and a held request (p0, home r0 shrunk to 50 tokens) may have waited long enough to
+# leave for r2 (mori's ski rental) since the last one.
+LEAVES_ON_AN_EMPTY_END = [
+    *[(0.0, _A)] * 7, (0.0, ("act", 1, 0, 0)), (0.0, ("health", "r1", False)),
+    *[(0.0, _A)] * 15, (0.0, ("cap", "r0", 50, 0)), (0.0, ("tick",)),
+    *[(0.0, _A)] * 7, (1.0, ("end", 1)),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", policy_names())
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=scenario)
 @example(events=CPU_LEAVES_HOME)
+@example(events=LEAVES_ON_AN_EMPTY_END)
 def test_invariants_hold_over_random_events(name: str, events) -> None:
     # tick_s=0: every driver tick is a full rebalance (mori skips it between periods)
     play(make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0)), events)
@@ -257,6 +266,14 @@ STALE_MARK = [
     ("tick",), *[_A] * 11, ("act", 1, 0, 0), ("act", 4, 0, 0), ("tick",), *[_A] * 4,
     ("cap", "r2", 50, 0), ("tick",), *[_A] * 3, ("tick",), _A, _A, ("act", 4, 0, 0),
     ("act", 4, 0, 0), ("cap", "r0", 50, 0),
+]  # fmt: skip
+# The end of a program that held no room still runs a promotion pass: time has passed,
+# and a held request (p0, home r0 shrunk to 50 tokens) may have waited long enough to
+# leave for r2 (mori's ski rental) since the last one.
+LEAVES_ON_AN_EMPTY_END = [
+    *[(0.0, _A)] * 7, (0.0, ("act", 1, 0, 0)), (0.0, ("health", "r1", False)),
+    *[(0.0, _A)] * 15, (0.0, ("cap", "r0", 50, 0)), (0.0, ("tick",)),
+    *[(0.0, _A)] * 7, (1.0, ("end", 1)),
 ]  # fmt: skip
 
 

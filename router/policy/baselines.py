@@ -185,8 +185,9 @@ class ThunderAgentPolicy(Policy):
         fits = [r for r in free if free[r] >= self.cost(p)]
         if fits:
             replica = min(fits, key=lambda r: (free[r], r != p.last_replica))
-            free[replica] -= self.cost(p)
             moves.append(self._move(p, Placement(Tier.GPU, replica), MoveReason.RESUME, now))
+            # the tier's own count: a segment the replica holds already is not paid twice
+            free[replica] = self.remaining(replica)
 
 
 class ThunderAgentOffloadPolicy(ThunderAgentPolicy):

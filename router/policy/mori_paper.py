@@ -151,14 +151,16 @@ class MoriPaperPolicy(Policy):
         return moves + self._promote(now)
 
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
-        """An ended program's room goes to the gate at once, not at the next tick."""
+        """An ended program's room goes to the gate at once, not at the next tick. The pass
+        runs even when the end freed nothing: time has passed, and a held request may have
+        waited long enough to leave its replica (`mori`'s ski rental) since the last one."""
         p = self.programs.get(program_id)
         moves = super().end(program_id, now, reason)
         if p is not None:
             self._sync_reserve(p)  # forgotten: its share goes
         self._context_after.pop(program_id, None)
         self._growth.pop(program_id, None)
-        return moves + self._promote(now) if moves else moves
+        return moves + self._promote(now) if p is not None else moves
 
     def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
         """A drained replica's held requests are re-placed on healthy replicas at once."""
