@@ -225,21 +225,23 @@ class DurationPredictor:
         From the most specific level with at least `MIN_DIST_SAMPLES` observations, its
         distribution's mean residual life; with fewer, an exponential law of the level's
         EWMA or the cold-start mean (memoryless: the mean, whatever has elapsed)."""
-        for level in self._levels(agent, tool):
-            dist = self._dists.get(level)
-            if dist is not None and dist.observations >= MIN_DIST_SAMPLES:
-                return dist.remaining_s(elapsed_s)
-        return self.history(agent, tool)
+        dist = self._distribution(agent, tool)
+        return self.history(agent, tool) if dist is None else dist.remaining_s(elapsed_s)
 
     def stays_p(
         self, agent: str | None, tool: str, elapsed_s: float, more_s: float
     ) -> float | None:
-        """P(a call of `tool` that has run `elapsed_s` runs `more_s` longer), from the most
-        specific level with a distribution; None without one (cold start)."""
+        """P(a call of `tool` that has run `elapsed_s` runs `more_s` longer), from the same
+        distribution as `remaining_s`; None without one (cold start)."""
+        dist = self._distribution(agent, tool)
+        return None if dist is None else dist.survival(elapsed_s, more_s)
+
+    def _distribution(self, agent: str | None, tool: str) -> DurationDistribution | None:
+        """The most specific level's distribution with `MIN_DIST_SAMPLES` observations."""
         for level in self._levels(agent, tool):
             dist = self._dists.get(level)
             if dist is not None and dist.observations >= MIN_DIST_SAMPLES:
-                return dist.survival(elapsed_s, more_s)
+                return dist
         return None
 
     def error_stats(self) -> dict[str, ErrorStats]:

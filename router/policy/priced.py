@@ -226,10 +226,15 @@ class PricedPolicy(MoriPaperPolicy):
 
     def expected_idle_s(self, p: Program, now: float) -> float:
         """Expected seconds until an ACTING program's next request."""
+        return self.predictor.remaining_s(*self._current_call(p, now))
+
+    def _current_call(self, p: Program, now: float) -> tuple[str | None, str, float]:
+        """(agent, tool, elapsed s) of the tool call ACTING `p` is in: an unknown tool since
+        its step ended when the client did not say."""
         call = self.calls.get(p.program_id)
         if call is None:
-            return self.predictor.remaining_s(None, UNKNOWN_TOOL, now - p.interval_start)
-        return self.predictor.remaining_s(call.agent, call.tool, now - call.start_s)
+            return None, UNKNOWN_TOOL, now - p.interval_start
+        return call.agent, call.tool, now - call.start_s
 
     def move_pays(self, p: Program, idle_s: float, cost_s: float, now: float) -> bool:
         """Whether moving ACTING `p` off its GPU tier pays: it stays away at least `cost_s`
@@ -238,11 +243,7 @@ class PricedPolicy(MoriPaperPolicy):
         Agent tool times are heavy-tailed, so the mean residual is carried by rare long
         calls: moved on it, most victims came back well before it (3 replicas, real sample:
         median 9.8 s away against 27.8 s expected) and paid their recompute for nothing."""
-        call = self.calls.get(p.program_id)
-        if call is None:
-            stays = self.predictor.stays_p(None, UNKNOWN_TOOL, now - p.interval_start, cost_s)
-        else:
-            stays = self.predictor.stays_p(call.agent, call.tool, now - call.start_s, cost_s)
+        stays = self.predictor.stays_p(*self._current_call(p, now), cost_s)
         return idle_s >= cost_s if stays is None else stays >= self.config.displace_confidence
 
     def move_cost_s(self, p: Program, kept_on_host: bool) -> float:

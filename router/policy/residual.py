@@ -65,13 +65,11 @@ class DurationDistribution:
     def remaining_s(self, elapsed_s: float) -> float:
         """E[D - a | D > a] for a = `elapsed_s`; `elapsed_s` itself past the data."""
         a = max(0.0, float(elapsed_s))
-        counts, sums = self._suffixes()
-        b = _bin(a)
-        lo, hi = EDGES[b], EDGES[b + 1]
-        share = 1.0 if a <= lo else max(0.0, (hi - a) / (hi - lo))  # of bin b above a
-        n = counts[b + 1] + share * self._counts[b]
-        if n <= 1e-12 * (counts[0] or 1.0):
+        b, share, n = self._above(a)
+        if n is None:
             return a
+        _, sums = self._suffixes()
+        lo, hi = EDGES[b], EDGES[b + 1]
         mean_in_bin = self._sums[b] / self._counts[b] if self._counts[b] > 0 else (lo + hi) / 2
         above_in_bin = max(a, mean_in_bin) if share < 1.0 else mean_in_bin
         total = sums[b + 1] + share * self._counts[b] * above_in_bin
@@ -79,19 +77,21 @@ class DurationDistribution:
 
     def survival(self, elapsed_s: float, more_s: float) -> float | None:
         """P(D > a + x | D > a) for a = `elapsed_s`, x = `more_s`; None past the data."""
-        counts, _ = self._suffixes()
-
-        def above(t: float) -> float:
-            b = _bin(t)
-            lo, hi = EDGES[b], EDGES[b + 1]
-            share = 1.0 if t <= lo else max(0.0, (hi - t) / (hi - lo))
-            return counts[b + 1] + share * self._counts[b]
-
         a = max(0.0, float(elapsed_s))
-        n = above(a)
-        if n <= 1e-12 * (counts[0] or 1.0):
+        n = self._above(a)[2]
+        if n is None:
             return None
-        return above(a + max(0.0, more_s)) / n
+        return (self._above(a + max(0.0, more_s))[2] or 0.0) / n
+
+    def _above(self, t: float) -> tuple[int, float, float | None]:
+        """(t's bin, the share of that bin above t, the weight of durations above t), the
+        weight None where (almost) nothing lasted that long."""
+        counts, _ = self._suffixes()
+        b = _bin(t)
+        lo, hi = EDGES[b], EDGES[b + 1]
+        share = 1.0 if t <= lo else max(0.0, (hi - t) / (hi - lo))
+        n = counts[b + 1] + share * self._counts[b]
+        return b, share, (None if n <= 1e-12 * (counts[0] or 1.0) else n)
 
     def _suffixes(self) -> tuple[list[float], list[float]]:
         """Counts and sums of bins b.. for every b (cached until the next observation)."""
