@@ -416,8 +416,10 @@ class Policy(ABC):
             self._start(p, now)
 
     def _start(self, p: Program, now: float) -> None:
-        """The gate lets `p`'s request through (a hook: policies may time the wait)."""
+        """The gate lets `p`'s request through (a hook: policies may time the wait). It
+        leaves the held set at once, so an event with nothing held skips the passes."""
         p.start_reasoning(now)
+        self._held.pop(p.program_id, None)
 
     @abstractmethod
     def _admit(self, p: Program, now: float) -> list[Move]:

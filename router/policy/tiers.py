@@ -84,14 +84,23 @@ class Tiers:
         self._members[WAITING].pop(program.program_id, None)
 
     def resize(self, program: Program, tokens: int) -> None:
-        """Change a program's context size, keeping its tier's sum exact."""
-        self._reaccount(program, lambda: setattr(program, "context_tokens", int(tokens)))
+        """Change a program's context size, keeping its tier's sum exact. When its shared
+        segments all still fit (every step but a shrink), only the size changes: the sum
+        moves by the difference, without re-counting the segments (every request does this)."""
+        tokens = int(tokens)
+        if _within(program.shared, tokens) is not program.shared:
+            self._reaccount(program, lambda: setattr(program, "context_tokens", tokens))
+            return
+        if program.placement.tier is not Tier.WAITING:
+            self._used[program.placement] += tokens - program.context_tokens
+        program.context_tokens = tokens
 
     def share(self, program: Program, segments: Sequence[Segment]) -> None:
         """The leading segments of the program's context that others may hold too (chain
         order; cut where they would exceed its context), in runs (`coarsen`)."""
         runs = coarsen(segments)
-        self._reaccount(program, lambda: setattr(program, "shared", runs))
+        if runs != program.shared:  # a program's next prompt mostly has the same runs
+            self._reaccount(program, lambda: setattr(program, "shared", runs))
 
     # shared segments ---------------------------------------------------------------
     def freed_by(self, program: Program) -> int:
