@@ -79,7 +79,7 @@ class Exchange:
         finally:
             r.in_flight -= 1
             label = self.replica.url if self.replica else "-"
-            r.metrics.child(r.metrics.requests, label, self.status).inc()
+            r.metrics.count(r.metrics.requests, label, self.status)
             r.metrics.child(r.metrics.latency, label).observe(r.clock() - self.ticket.arrival)
 
     async def _attempts(self, deadline: float) -> None:
@@ -120,7 +120,7 @@ class Exchange:
             if outcome.retry is None:
                 self.status = outcome.status
                 return
-            r.metrics.child(r.metrics.requests, replica.url, "retried").inc()
+            r.metrics.count(r.metrics.requests, replica.url, "retried")
             if outcome.certain:
                 r.drain(replica, outcome.retry, "connect")
             else:
@@ -178,9 +178,9 @@ class Exchange:
         if outcome.ttft is not None:
             r.metrics.child(r.metrics.ttft, replica.url).observe(outcome.ttft - self.ticket.arrival)
         if usage.prompt_tokens is not None:
-            r.metrics.child(r.metrics.prompt_tokens, replica.url).inc(usage.prompt_tokens)
+            r.metrics.count(r.metrics.prompt_tokens, replica.url, amount=usage.prompt_tokens)
             r.learn_tokens(self.ticket.program_id, self.ticket.prompt_chars, usage.prompt_tokens)
         if usage.completion_tokens is not None:
-            r.metrics.child(r.metrics.output_tokens, replica.url).inc(usage.completion_tokens)
+            r.metrics.count(r.metrics.output_tokens, replica.url, amount=usage.completion_tokens)
         r.metrics.record_hits(replica.url, usage)
         self._price(replica, outcome)
