@@ -218,3 +218,22 @@ def test_a_victim_that_usually_comes_back_soon_is_not_moved(confidence, moved):
     policy.on_request("n", 1.05, 400)
     assert (policy.route("n") == "r0") is moved
     assert (where(policy, "a") == GPU0) is not moved
+
+
+def test_victims_are_ranked_only_when_a_request_waits():
+    """While nothing waits at the gate, neither a tick nor a step's end ranks the GPU's
+    ACTING programs as victims (the request path's cost, 50 programs: 37 -> 19 us per
+    request); a request that must displace ranks them then, with the time it does so."""
+    policy = make(gpu=3000)
+    ranked: list[str] = []
+    expected_idle = policy.expected_idle_s
+    policy.expected_idle_s = lambda p, now: ranked.append(p.program_id) or expected_idle(p, now)
+    acting(policy, "a", 0.0, 1000)
+    policy.tick(5.0)
+    acting(policy, "b", 6.0, 1000)
+    policy.tick(10.0)
+    acting(policy, "c", 11.0, 1000)
+    assert ranked == []
+    policy.on_request("n", 20.0, 1000)  # the tier is full: someone must move for it
+    assert policy.route("n") == "r0"
+    assert sorted(set(ranked)) == ["a", "b", "c"]

@@ -496,8 +496,14 @@ class _Victims:
         return sorted(e for e in entries if e)
 
     def refresh(self, replica: str, now: float) -> None:
-        """Re-rank one replica's pool (expected idle times grow as tool calls go on)."""
-        self._pools[(replica, False)] = self.rank(replica, False, now)
+        """Re-rank one replica's pool (expected idle times grow as tool calls go on): now
+        if a request is held (the tick's pass is about to use it), else when next used,
+        so while nothing waits no step's end pays for ranking its program (`add` finds
+        no pool)."""
+        if self._policy._held:  # a request waits at the gate
+            self._pools[(replica, False)] = self.rank(replica, False, now)
+        else:
+            self._pools.pop((replica, False), None)
         self._pools.pop((replica, True), None)
 
     def add(self, q: Program, now: float) -> None:
