@@ -56,7 +56,7 @@ class PolicyConfig:
     smg_offload: bool = False  # smg baseline: engine host tier on/off
     load_s_per_token: float = 5e-6  # one-way GPU<->host KV copy per token (replica preset)
     predict_lead_s: float = 0.5  # mori: promote this long + load time before tool end
-    predict_grace_s: float = 0.5  # mori: room held past a predicted end before demotion
+    predict_grace_s: float = 5.0  # mori: room held past a predicted end before demotion
     ewma_alpha: float = 0.3  # mori: weight of the newest tool duration
     hint_alpha: float = 0.5  # mori: weight of a client's predict_time (Tokencake eq. 1)
     # a request held this long goes first and may displace; 0: off; None: the policy's
