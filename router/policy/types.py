@@ -76,10 +76,11 @@ class Placement:
         by_tier = cls._interned.get(replica)
         if by_tier is not None and (place := by_tier.get(tier)) is not None:
             return place
+        tier = Tier(tier)  # a tier may come by its value ("gpu"), as config and hints name it
         if (tier is Tier.WAITING) != (replica is None):
-            raise ValueError(f"{Tier(tier).value} placement needs replica iff not WAITING")
+            raise ValueError(f"{tier.value} placement needs replica iff not WAITING")
         place = object.__new__(cls)
-        object.__setattr__(place, "tier", Tier(tier))
+        object.__setattr__(place, "tier", tier)
         object.__setattr__(place, "replica", replica)
         object.__setattr__(place, "_hash", hash((place.tier.value, replica)))
         cls._interned.setdefault(replica, {})[place.tier] = place
