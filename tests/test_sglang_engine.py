@@ -250,3 +250,28 @@ def test_kv_hints_program_type_action_sets_the_type(server: Server):
     r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert server.residency()["programs"]["kv1"]["hint"] == "idle"
+
+
+def test_an_engine_whose_port_was_taken_starts_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`free_port` races every other process on the box: a port free when picked may be
+    taken before the engine binds it (the engine then lingers ~10 s and exits, seen in a
+    full suite on 2 busy cores). The harness starts it again on a fresh port."""
+    import socket
+
+    import tests.sglang.server as harness
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = harness.free_port
+    monkeypatch.setattr(harness, "free_port", lambda: next(ports, None) or real())
+    model = build_tiny_model(tmp_path / "tiny")
+    try:
+        with patched_servers(1, model, tmp_path, SERVER_FLAGS) as (srv,):
+            assert srv.port != taken.getsockname()[1]
+            assert httpx.get(f"{srv.url}/model_info", timeout=10).status_code == 200
+    finally:
+        taken.close()

@@ -22,6 +22,9 @@ import pytest
 
 from tests.servers import free_port, stop
 
+PORT_RETRIES = 3  # fresh ports tried when one is taken before the engine binds it
+BIND_FAILED = b"error while attempting to bind on address"
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 INSTALLER = REPO / "scripts/install_sglang_cpu.sh"
@@ -151,22 +154,32 @@ def patched_servers(
 ) -> Iterator[list[Server]]:
     """`count` patched servers started side by side (start-up is mostly imports: overlap it);
     `entry` the module to run (another one: `sglang.launch_server` without the launcher)."""
+    argv = [str(PYTHON), *entry, "--model-path", str(model), "--host", "127.0.0.1"]
+    full_env = {**server_env(), **(env or {})}
+
+    def start() -> Server:
+        port = free_port()
+        log = log_dir / f"sglang-{port}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*argv, "--port", str(port), *CPU_FLAGS, *extra], env=full_env, cwd=REPO,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        return Server(proc, port, log)
+
     servers: list[Server] = []
     try:
-        for _ in range(count):
-            port = free_port()
-            log = log_dir / f"sglang-{port}.log"
-            argv = [str(PYTHON), *entry, "--model-path", str(model)]
-            argv += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *extra]
-            full_env = {**server_env(), **(env or {})}
-            with log.open("wb") as out:
-                proc = subprocess.Popen(
-                    argv, env=full_env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
-            servers.append(Server(proc, port, log))
-        for server in servers:
-            _wait_ready(server, timeout_s)
+        servers += [start() for _ in range(count)]
+        for i in range(count):
+            for _ in range(PORT_RETRIES):
+                try:
+                    _wait_ready(servers[i], timeout_s)
+                    break
+                except PortTaken:  # the free port was taken before the engine bound it
+                    stop(servers[i].proc, grace_s=10.0)
+                    servers[i] = start()
+            else:
+                _wait_ready(servers[i], timeout_s)
         yield servers
     finally:
         for server in servers:
@@ -192,9 +205,16 @@ def tiny_engine(
         yield server
 
 
+class PortTaken(RuntimeError):
+    """The engine could not bind its port: another process took it between `free_port`
+    and the engine's bind (seen on a busy CI box; the engine then lingers ~10 s and exits)."""
+
+
 def _wait_ready(server: Server, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if server.log.exists() and BIND_FAILED in server.log.read_bytes():
+            raise PortTaken(f"port {server.port} taken:\n{server.log_tail()}")
         if server.proc.poll() is not None:
             raise RuntimeError(f"sglang exited with {server.proc.returncode}:\n{server.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
