@@ -267,14 +267,6 @@ STALE_MARK = [
     ("cap", "r2", 50, 0), ("tick",), *[_A] * 3, ("tick",), _A, _A, ("act", 4, 0, 0),
     ("act", 4, 0, 0), ("cap", "r0", 50, 0),
 ]  # fmt: skip
-# The end of a program that held no room still runs a promotion pass: time has passed,
-# and a held request (p0, home r0 shrunk to 50 tokens) may have waited long enough to
-# leave for r2 (mori's ski rental) since the last one.
-LEAVES_ON_AN_EMPTY_END = [
-    *[(0.0, _A)] * 7, (0.0, ("act", 1, 0, 0)), (0.0, ("health", "r1", False)),
-    *[(0.0, _A)] * 15, (0.0, ("cap", "r0", 50, 0)), (0.0, ("tick",)),
-    *[(0.0, _A)] * 7, (1.0, ("end", 1)),
-]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", policy_names())

@@ -62,11 +62,11 @@ class Placement:
     """A tier plus the replica that holds it (None for WAITING).
 
     Immutable and interned: `Placement(tier, replica)` returns the one instance for that
-    pair, with its hash computed once, so the policy's per-event dictionary lookups by
-    placement are identity checks (constructing and hashing a dataclass per lookup was a
-    tenth of the policy's cost per request)."""
+    pair, so equality is identity and the policy's per-event dictionary lookups by
+    placement hash and compare in C (constructing and hashing a dataclass per lookup was
+    a tenth of the policy's cost per request)."""
 
-    __slots__ = ("tier", "replica", "_hash")
+    __slots__ = ("tier", "replica")
     _interned: dict[str | None, dict[Tier, Placement]] = {}
 
     tier: Tier
@@ -82,7 +82,6 @@ class Placement:
         place = object.__new__(cls)
         object.__setattr__(place, "tier", tier)
         object.__setattr__(place, "replica", replica)
-        object.__setattr__(place, "_hash", hash((place.tier.value, replica)))
         cls._interned.setdefault(replica, {})[place.tier] = place
         return place
 
@@ -94,14 +93,6 @@ class Placement:
 
     def __reduce__(self) -> tuple:
         return (Placement, (self.tier, self.replica))  # unpickled through the intern table
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not Placement:
-            return NotImplemented
-        return self is other or (self.tier is other.tier and self.replica == other.replica)
-
-    def __hash__(self) -> int:
-        return self._hash
 
     def __repr__(self) -> str:
         return f"Placement(tier={self.tier!r}, replica={self.replica!r})"
