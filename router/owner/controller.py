@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -472,14 +472,18 @@ class Router:
             except Exception:
                 log.exception("hint push failed")
 
-    async def hint_acked(self, program_id: str) -> None:
-        """Wait until the hint push that carries `program_id`'s promotion (its `busy` hint)
-        has been answered, so the engine loads its KV back before the request arrives
-        rather than racing it; bounded by `hint_ack_timeout_s` (a slow engine delays the
-        hint, never the request, for longer)."""
+    def hint_acked(self, program_id: str) -> Awaitable[None] | None:
+        """What to await until the hint push that carries `program_id`'s promotion (its
+        `busy` hint) has been answered, so the engine loads its KV back before the request
+        arrives rather than racing it; None when nothing is pending (most requests)."""
         needed = self._ack_round.pop(program_id, None)
         if needed is None or self._rounds_done >= needed:
-            return
+            return None
+        return self._ack_wait(needed)
+
+    async def _ack_wait(self, needed: int) -> None:
+        """Bounded by `hint_ack_timeout_s`: a slow engine delays the hint, never the
+        request, for longer."""
         started = self.clock()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.hint_ack_timeout_s), self._rounds:

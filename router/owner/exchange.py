@@ -49,12 +49,16 @@ class Exchange:
         self.failed_on: list[Replica] = []  # replicas an attempt of this request failed on
 
     async def run(self) -> ApiError | None:
-        r = self.router
+        r, pid = self.router, self.ticket.program_id
         r.in_flight += 1
         try:
             deadline = self.ticket.arrival + r.config.gate_timeout_s
-            async with r.gate.turn(self.ticket.program_id, deadline):
+            if not r.gate.enter(pid):
+                await r.gate.wait_turn(pid, deadline)
+            try:
                 await self._attempts(deadline)
+            finally:
+                r.gate.leave(pid)
             return None
         except GateTimeout:
             self.status = "timeout"
@@ -103,11 +107,17 @@ class Exchange:
             except ValueError as e:  # a second request in flight despite the turn lock
                 raise ApiError(409, str(e), code="program_busy") from None
             r.apply(moves)
-            replica = r.replicas[await self._gated(deadline)]
-            self.replica = replica
+            url = policy.route(pid)  # placed at once (most requests): nothing to wait for
+            if url is None:
+                url = await self._gated(deadline)
+            else:
+                r.metrics.gate_wait.observe(0.0)
+            replica = self.replica = r.replicas[url]
             outcome = Outcome()
             try:
-                await r.hint_acked(pid)  # its busy hint (load-back) reaches the engine first
+                acked = r.hint_acked(pid)  # its busy hint (load-back) reaches the engine first
+                if acked is not None:
+                    await acked
                 outcome = await self.forward(replica.url)
             finally:
                 self._book(replica, outcome)

@@ -9,6 +9,7 @@ router sets them all (`wake_all`) and each re-asks `route()`.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable
 
 
@@ -25,15 +26,46 @@ class Gate:
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._turns: dict[str, tuple[asyncio.Lock, int]] = {}
+        # program -> requests queued behind the one in flight (FIFO); absent: turn free
+        self._turns: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._events: dict[str, asyncio.Event] = {}
         self._ended: set[str] = set()  # held programs ended while waiting
         self.waiting = 0  # requests blocked in `until_routed`
 
-    def turn(self, program_id: str, deadline: float) -> _Turn:
-        """Serialise requests of one program (`async with gate.turn(...)`); the lock is
-        dropped when nobody uses it."""
-        return _Turn(self, program_id, deadline)
+    def enter(self, program_id: str) -> bool:
+        """Take the program's turn if it is free (most requests: then nothing awaits);
+        False: another request of the program holds it, `wait_turn`."""
+        if program_id in self._turns:
+            return False
+        self._turns[program_id] = collections.deque()
+        return True
+
+    async def wait_turn(self, program_id: str, deadline: float) -> None:
+        """Queue for the program's turn (first come, first served) until the deadline."""
+        waiters = self._turns.get(program_id)
+        if waiters is None:  # freed since `enter` was refused
+            self._turns[program_id] = collections.deque()
+            return
+        future = asyncio.get_running_loop().create_future()
+        waiters.append(future)
+        try:
+            await self._bounded(lambda: future, deadline)
+        except BaseException:
+            if future.done() and not future.cancelled():  # handed the turn as it left
+                self.leave(program_id)
+            elif future in waiters:
+                waiters.remove(future)
+            raise
+
+    def leave(self, program_id: str) -> None:
+        """End the turn: the next queued request has it, or it is free."""
+        waiters = self._turns[program_id]
+        while waiters:
+            future = waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+                return
+        del self._turns[program_id]
 
     async def until_routed(
         self, program_id: str, route: Callable[[], str | None], deadline: float
@@ -83,40 +115,3 @@ class Gate:
                 await wait()
         except TimeoutError:
             raise GateTimeout from None
-
-
-class _Turn:
-    """One request's turn on its program (a class, not a generator: it is on every request)."""
-
-    __slots__ = ("gate", "program_id", "deadline", "lock")
-
-    def __init__(self, gate: Gate, program_id: str, deadline: float) -> None:
-        self.gate, self.program_id, self.deadline = gate, program_id, deadline
-
-    async def __aenter__(self) -> None:
-        turns = self.gate._turns
-        lock, users = turns.get(self.program_id, (None, 0))
-        if lock is None:
-            lock = asyncio.Lock()
-        turns[self.program_id] = (lock, users + 1)
-        self.lock = lock
-        try:
-            if lock.locked():
-                await self.gate._bounded(lock.acquire, self.deadline)
-            else:
-                await lock.acquire()  # uncontended: no timer needed
-        except BaseException:
-            self._leave()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.lock.release()
-        self._leave()
-
-    def _leave(self) -> None:
-        turns = self.gate._turns
-        lock, users = turns[self.program_id]
-        if users <= 1:
-            del turns[self.program_id]
-        else:
-            turns[self.program_id] = (lock, users - 1)

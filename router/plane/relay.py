@@ -52,12 +52,22 @@ def text_headers(request: Request) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body within the size limit (413, refused before reading when declared) and
-    the deadline (408; the connection is then closed)."""
+def body_now(request: Request, limit: int) -> bytes | None:
+    """The body if it has all arrived (most requests: head and body come in one read),
+    else None; a body over the size limit is a 413 (refused before reading when declared)."""
     declared = request.header(b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    too_large = declared is not None and declared.isdigit() and int(declared) > limit
+    if too_large or request.size > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    return request.content() if request.complete else None
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body within the size limit (413) and the deadline (408; the connection is then
+    closed)."""
+    body = body_now(request, limit)
+    if body is not None:
+        return body
     try:
         return await request.body(limit, timeout_s)
     except BodyTooLarge:
@@ -91,8 +101,13 @@ class Relay:
         try:
             headers = text_headers(self.request)
             key = w.auth.client(headers)
-            raw = await read_body(self.request, config.max_body_bytes, config.body_timeout_s)
-            prepared = await w.intake.prepare(self.kind, raw, request_hints(headers, key))
+            raw = body_now(self.request, config.max_body_bytes)
+            if raw is None:
+                raw = await read_body(self.request, config.max_body_bytes, config.body_timeout_s)
+            hints = request_hints(headers, key)
+            prepared = w.intake.inline(self.kind, raw, hints)
+            if prepared is None:
+                prepared = await w.intake.prepare(self.kind, raw, hints)
             self.program_id = prepared.program_id
             forward = [(k.encode(), v.encode()) for k, v in forwarded_headers(headers).items()]
             ticket = Ticket(
@@ -230,7 +245,8 @@ class Relay:
                     last = out
                     continue
                 conn.write(out)
-                await conn.drain()
+                if conn.writable is not None:  # the client reads slower than we write
+                    await conn.drain()
         except asyncio.CancelledError:
             if parser.ended:  # the client left once it had the whole answer: served
                 self._served(outcome, parser)

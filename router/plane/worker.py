@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from router.config import RouterConfig
@@ -133,16 +133,21 @@ class Worker:
         self.drained: set[str] = set()
         self._background: set[asyncio.Task] = set()
 
-    async def handle(self, request: Request) -> None:
+    def handle(self, request: Request) -> Awaitable[None]:
+        """The request's handler coroutine, returned rather than awaited here: every
+        resumption of a request's task passes through each coroutine frame it is nested
+        in, so the dispatch adds none."""
         kind = KIND_OF_PATH.get(request.path)
         if kind is None:
-            await self._to_owner(request)
-        elif request.method == b"POST":
-            await Relay(self, request, kind).run()
-        else:
-            error = ApiError(405, f"{request.path.decode()} takes POST", code="method_not_allowed")
-            anthropic = kind == "messages"
-            request.conn.send(405, [JSON, (b"allow", b"POST")], error.body(anthropic))
+            return self._to_owner(request)
+        if request.method == b"POST":
+            return Relay(self, request, kind).run()
+        return self._not_allowed(request, kind)
+
+    async def _not_allowed(self, request: Request, kind: str) -> None:
+        error = ApiError(405, f"{request.path.decode()} takes POST", code="method_not_allowed")
+        anthropic = kind == "messages"
+        request.conn.send(405, [JSON, (b"allow", b"POST")], error.body(anthropic))
 
     async def _to_owner(self, request: Request) -> None:
         """Every other endpoint is the owner's: relay the request and its answer as they

@@ -327,9 +327,15 @@ class Intake:
         self.inline_bytes = inline_bytes
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
+    def inline(self, kind: str, raw: bytes, hints: Hints) -> Prepared | None:
+        """The request prepared here and now if its body is small enough, else None
+        (then `prepare` it): most requests never need to await."""
+        return prepare(kind, raw, hints) if len(raw) <= self.inline_bytes else None
+
     async def prepare(self, kind: str, raw: bytes, hints: Hints) -> Prepared:
-        if len(raw) <= self.inline_bytes:
-            return prepare(kind, raw, hints)
+        prepared = self.inline(kind, raw, hints)
+        if prepared is not None:
+            return prepared
         if self._pool is None:
             context = multiprocessing.get_context("spawn")  # no copy of the event loop's state
             self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)

@@ -96,6 +96,10 @@ class Request:
                     await self.waiter
         if self.size > limit:
             raise BodyTooLarge
+        return self.content()
+
+    def content(self) -> bytes:
+        """The body bytes received so far (all of it once `complete`)."""
         return b"".join(self.chunks) if len(self.chunks) != 1 else self.chunks[0]
 
     def _wake(self) -> None:

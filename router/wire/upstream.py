@@ -226,14 +226,16 @@ class Connection(asyncio.Protocol):
         else:
             self.abort()
 
-    async def send(self, data: bytes, limit: float) -> Response:
-        self.head = self.loop.create_future()
+    def send(self, data: bytes, limit: float) -> asyncio.Future[Response]:
+        """Write the request; the future is the answer's head (a plain future, not a
+        coroutine: one frame less for every wake-up of the request's task)."""
+        head = self.head = self.loop.create_future()
         self.response, self.got_bytes = None, False
         self.limit, self.last_data = limit, self.loop.time()
         self.watchdog = self.loop.call_at(self.last_data + limit, self._watch)
         assert self.transport is not None
         self.transport.write(data)
-        return await self.head
+        return head
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:
@@ -274,7 +276,10 @@ class Upstream:
         data = _head(origin, method, path, body, headers) + body
         limit = self.timeout_s if timeout_s is None else timeout_s
         while True:
-            conn, reused = await self._connection(origin)
+            conn = self._idle(origin)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(origin)
             if on_connection is not None:
                 on_connection(conn)
             try:
@@ -290,11 +295,15 @@ class Upstream:
                 conn.abort()
                 raise
 
-    async def _connection(self, origin: Origin) -> tuple[Connection, bool]:
+    def _idle(self, origin: Origin) -> Connection | None:
+        """A kept-alive connection to reuse: the most recent, least likely to be closed."""
         while origin.idle:
-            conn = origin.idle.pop()  # the most recent: least likely to be closed by now
+            conn = origin.idle.pop()
             if not conn.closed:
-                return conn, True
+                return conn
+        return None
+
+    async def _connect(self, origin: Origin) -> Connection:
         loop = asyncio.get_running_loop()
         tls = self._tls_context() if origin.tls else None
         try:
@@ -310,7 +319,7 @@ class Upstream:
         if sock is not None:  # a small request must never wait for an ACK
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn, False
+        return conn
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
