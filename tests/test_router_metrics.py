@@ -1,8 +1,12 @@
-"""The idleness histogram is fed by ticks only, so its counts do not follow the scrape rate."""
+"""The idleness histogram is fed by ticks only, so its counts do not follow the scrape rate;
+the request path's tallied histograms export what the client's own would."""
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.owner.metrics import RouterMetrics
+from router.owner.metrics import LATENCY_BUCKETS, RouterMetrics
 from router.policy import make_policy
 from router.policy.types import ReplicaCapacity
 
@@ -26,3 +30,44 @@ def test_scrapes_do_not_add_idleness_samples_ticks_do():
     assert _idleness_count(metrics) == 0
     metrics.observe_idleness(policy, 1.0)  # what every tick does
     assert _idleness_count(metrics) == 3
+
+
+def _samples(metrics: RouterMetrics, name: str) -> dict:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        if family.name == name
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["r0", "r1"]),
+            st.one_of(st.sampled_from(LATENCY_BUCKETS), st.floats(0, 400, allow_nan=False)),
+        ),
+        max_size=40,
+    ),
+    st.integers(0, 40),
+)
+def test_tallied_observations_export_what_direct_observations_do(values, scrape_at):
+    """The request path tallies its histogram observations (a bisect, no lock) and a
+    scrape applies them: the exported buckets, counts and sums are the client's own,
+    bounds included (a value equal to a bound falls in that bound's bucket), also for
+    observations made between two scrapes."""
+    tallied, direct = RouterMetrics(), RouterMetrics()
+    for i, (replica, value) in enumerate(values):
+        if i == scrape_at:
+            tallied.render()
+        tallied.observe(tallied.ttft, value, replica)
+        direct.ttft.labels(replica).observe(value)
+        tallied.observe(tallied.gate_wait, value)
+        direct.gate_wait.observe(value)
+    for name in ("mori_ttft_seconds", "mori_gate_wait_seconds"):
+        got, want = _samples(tallied, name), _samples(direct, name)
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value), key

@@ -84,7 +84,7 @@ class Exchange:
             r.in_flight -= 1
             label = self.replica.url if self.replica else "-"
             r.metrics.count(r.metrics.requests, label, self.status)
-            r.metrics.child(r.metrics.latency, label).observe(r.clock() - self.ticket.arrival)
+            r.metrics.observe(r.metrics.latency, r.clock() - self.ticket.arrival, label)
 
     async def _attempts(self, deadline: float) -> None:
         r, pid, policy = self.router, self.ticket.program_id, self.router.policy
@@ -111,7 +111,7 @@ class Exchange:
             if url is None:
                 url = await self._gated(deadline)
             else:
-                r.metrics.gate_wait.observe(0.0)
+                r.metrics.observe(r.metrics.gate_wait, 0.0)
             replica = self.replica = r.replicas[url]
             outcome = Outcome()
             try:
@@ -167,7 +167,7 @@ class Exchange:
         except BaseException:
             r.apply(r.policy.cancel(pid, r.clock()))
             raise
-        r.metrics.gate_wait.observe(r.clock() - held_from)
+        r.metrics.observe(r.metrics.gate_wait, r.clock() - held_from)
         return url
 
     def _book(self, replica: Replica, outcome: Outcome) -> None:
@@ -186,7 +186,7 @@ class Exchange:
         if outcome.suspect is not None:
             r.spawn(r.confirm(replica, outcome.suspect, "failed"))
         if outcome.ttft is not None:
-            r.metrics.child(r.metrics.ttft, replica.url).observe(outcome.ttft - self.ticket.arrival)
+            r.metrics.observe(r.metrics.ttft, outcome.ttft - self.ticket.arrival, replica.url)
         if usage.prompt_tokens is not None:
             r.metrics.count(r.metrics.prompt_tokens, replica.url, amount=usage.prompt_tokens)
             r.learn_tokens(self.ticket.program_id, self.ticket.prompt_chars, usage.prompt_tokens)

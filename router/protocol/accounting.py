@@ -16,6 +16,7 @@ Prompt-cache hits, as SGLang (0.5.17 and 0.5.23 alike) reports them:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -130,6 +131,8 @@ def openai_body(content: bytes) -> Usage:
 
 _READ_MARKERS = (b'"usage"', b'"sglext"', b'"tool_calls"')  # an event the filter must read
 _DONE = (b"data: [DONE]", b"data:[DONE]")
+_SHORT = 32  # an event this short may be the end marker (with its whitespace)
+_NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')  # every chunk of some engines says so
 
 
 class OpenAIStream:
@@ -160,16 +163,20 @@ class OpenAIStream:
         marks = [at for mark in _READ_MARKERS if (at := buffer.find(mark)) >= 0]
         # a mark holds no newline, so the separators before it are the split's own
         plain = buffer.count(b"\n\n", 0, min(marks)) if marks else len(events)
-        out = b"\n\n".join(events[:plain]) + b"\n\n" if plain else b""
-        if not self.ended and b"[DONE]" in out:
+        out = [b"\n\n".join(events[:plain]) + b"\n\n"] if plain else []
+        if not self.ended and plain and b"[DONE]" in out[0]:
             self.ended = any(e.strip() in _DONE for e in events[:plain])
-        return out + b"".join(self._event(e) for e in events[plain:])
+        for event in events[plain:]:
+            out.append(self._event(event))
+        return b"".join(out)
 
     def flush(self) -> bytes:
         rest, self._buffer = self._buffer, b""
         return self._event(rest) if rest.strip() else b""
 
     def finish(self) -> Usage:
+        if not self._names:  # most answers: no tool call
+            return self.usage
         calls = [
             {"function": {"name": name, "arguments": "".join(self._args.get(i, []))}}
             for i, name in sorted(self._names.items())
@@ -179,7 +186,10 @@ class OpenAIStream:
 
     def _event(self, event: bytes) -> bytes:
         out = event + b"\n\n"
-        has_usage = b'"usage"' in event and b'"usage":null' not in event.replace(b" ", b"")
+        if len(event) < _SHORT and event.strip() in _DONE:
+            self.ended = True
+            return out
+        has_usage = b'"usage"' in event and not _NULL_USAGE.search(event)
         has_ext = b'"sglext"' in event
         if not has_usage and not has_ext and b'"tool_calls"' not in event:
             self.ended = self.ended or event.strip() in _DONE

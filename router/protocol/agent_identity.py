@@ -61,7 +61,7 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return ""
 
 
@@ -78,7 +78,7 @@ def anchor_of(
     if isinstance(body.get("system"), str | list):  # Anthropic keeps it outside the messages
         texts.append(_text(body["system"]))
     for m in messages:
-        if not isinstance(m, Mapping) or m.get("role") not in ("system", "developer"):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
             break
         system.append(dict(m))
         texts.append(_text(m.get("content")))

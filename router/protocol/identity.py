@@ -24,11 +24,11 @@ def _explicit(body: Mapping[str, Any], header: str | None) -> str | None:
     its source), never a silent fallback to the next source."""
     candidates: list[tuple[str, Any]] = [("program_id", body.get("program_id"))]
     extra = body.get("extra_body")
-    if isinstance(extra, Mapping):
+    if isinstance(extra, dict):
         candidates.append(("extra_body.program_id", extra.get("program_id")))
     candidates.append(("X-Program-Id", header))
     meta = body.get("metadata")
-    if isinstance(meta, Mapping):
+    if isinstance(meta, dict):
         candidates.append(("metadata.user_id", meta.get("user_id")))
     for where, value in candidates:
         if value is None:
@@ -50,7 +50,7 @@ def _stable_start(body: Mapping[str, Any]) -> Any:
         system = body.get("system")  # Anthropic keeps it outside the messages
         first_user = None
         for m in messages:
-            if not isinstance(m, Mapping):
+            if not isinstance(m, dict):
                 continue
             role = m.get("role")
             if role in ("system", "developer") and system is None:

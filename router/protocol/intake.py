@@ -246,11 +246,12 @@ def prompt_chars(body: dict[str, Any]) -> int:
     total, stack = 0, [body.get(field) for field in PROMPT_FIELDS]
     while stack:
         value = stack.pop()
-        if isinstance(value, str):
+        kind = type(value)  # parsed JSON holds exactly these types: no isinstance needed
+        if kind is str:
             total += len(value)
-        elif isinstance(value, dict):
+        elif kind is dict:
             stack.extend(value.values())
-        elif isinstance(value, list):
+        elif kind is list:
             stack.extend(value)
     return total
 

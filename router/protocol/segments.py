@@ -44,7 +44,7 @@ def _text(content: Any) -> str:
         return content
     if isinstance(content, list):  # content parts: their text, and others as JSON
         return "".join(
-            str(p.get("text", "")) if isinstance(p, Mapping) and "text" in p else _json(p)
+            str(p.get("text", "")) if isinstance(p, dict) and "text" in p else _json(p)
             for p in content
         )
     return "" if content is None else _json(content)
@@ -65,7 +65,7 @@ def _parts(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     messages = body.get("messages")
     if isinstance(messages, list):
         for m in messages:
-            if not isinstance(m, Mapping):
+            if not isinstance(m, dict):
                 continue
             text = _text(m.get("content"))
             if m.get("tool_calls"):
