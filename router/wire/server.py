@@ -28,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import http
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httptools
 
 from router.wire.errors import error_body
+
+log = logging.getLogger("mori.server")
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers
 LINGER_QUIET_S = 2.0  # a lingering close ends when the client sends nothing for this long
@@ -255,6 +258,7 @@ class Connection(asyncio.Protocol):
                 raise
             return
         except Exception:  # the handler's own bug: answer 500 if still possible
+            log.exception("request handler failed")
             if not self.started and not self.closed:
                 body = error_body(500, "internal router error", code="internal_error")
                 self.send(500, [(b"content-type", b"application/json")], body)
