@@ -19,8 +19,7 @@ import multiprocessing
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -56,9 +55,9 @@ class _Rids:
 _RIDS = _Rids()
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What the exchange needs of one inference request (small, so it pickles cheaply)."""
+class Prepared(NamedTuple):
+    """What the exchange needs of one inference request (small, so it pickles cheaply;
+    immutable and built per request: a NamedTuple costs a quarter of a frozen dataclass)."""
 
     program_id: str
     agent: str | None
@@ -77,8 +76,7 @@ class Prepared:
     round: str | None = None  # the All-Gather round the application names (namespaced)
 
 
-@dataclass(frozen=True)
-class Hints:
+class Hints(NamedTuple):
     """The request's headers that `prepare` reads (already decoded), and the key namespace."""
 
     program_id: str | None = None

@@ -17,7 +17,7 @@ import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from router.protocol.accounting import Usage
 from router.protocol.agent_identity import Anchor
@@ -36,9 +36,9 @@ DRAINED = 13  # (DRAINED, url, why): cut the worker's silent requests on the rep
 REJOINED = 14  # (REJOINED, url)
 
 
-@dataclass(frozen=True)
-class Ticket:
-    """What the owner needs of a request to place it (the body stays with the worker)."""
+class Ticket(NamedTuple):
+    """What the owner needs of a request to place it (the body stays with the worker);
+    a NamedTuple: immutable, and a quarter of a frozen dataclass's cost to build."""
 
     program_id: str
     prompt_chars: int
