@@ -4,8 +4,10 @@ a JSON body) that closes the connection; the server keeps serving other connecti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+from collections.abc import AsyncIterator
 
 import h11
 
@@ -16,6 +18,21 @@ async def _handler(request: Request) -> None:
     if request.path == b"/bug":
         raise RuntimeError("a bug in the handler")
     request.conn.send(200, [(b"content-type", b"text/plain")], b"ok")
+
+
+@contextlib.asynccontextmanager
+async def _serving() -> AsyncIterator[int]:
+    """A `Server` of `_handler` on a free port for the block; yields the port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    server = Server(_handler, 1 << 20)
+    await server.start(sock)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        await server.stop(1.0)
+        sock.close()
 
 
 async def _exchange(port: int, target: str, close: bool) -> tuple[h11.Response, bytes, bool]:
@@ -43,39 +60,27 @@ async def _exchange(port: int, target: str, close: bool) -> tuple[h11.Response, 
 
 def test_a_handler_bug_is_a_logged_500_and_the_server_goes_on(caplog):
     async def main() -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        server = Server(_handler, 1 << 20)
-        await server.start(sock)
-        port = sock.getsockname()[1]
-        with caplog.at_level(logging.ERROR, logger="mori.server"):
-            response, body, closed = await _exchange(port, "/bug", close=True)
-        assert response.status_code == 500 and b"internal_error" in body and closed
-        assert "request handler failed" in caplog.text and "a bug in the handler" in caplog.text
-        response, body, _ = await _exchange(port, "/fine", close=False)
-        assert response.status_code == 200 and body == b"ok"
-        await server.stop(1.0)
-        sock.close()
+        async with _serving() as port:
+            with caplog.at_level(logging.ERROR, logger="mori.server"):
+                response, body, closed = await _exchange(port, "/bug", close=True)
+            assert response.status_code == 500 and b"internal_error" in body and closed
+            assert "request handler failed" in caplog.text
+            assert "a bug in the handler" in caplog.text
+            response, body, _ = await _exchange(port, "/fine", close=False)
+            assert response.status_code == 200 and body == b"ok"
 
     asyncio.run(main())
 
 
 def test_pipelined_requests_on_a_kept_alive_connection_are_answered_in_order():
     async def main() -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        server = Server(_handler, 1 << 20)
-        await server.start(sock)
-        reader, writer = await asyncio.open_connection(*sock.getsockname())
-        request = b"GET /fine HTTP/1.1\r\nhost: x\r\n\r\n"
-        writer.write(request * 3)  # pipelined: answered in order, one at a time
-        data = b""
-        while data.count(b"HTTP/1.1 200") < 3:
-            data += await asyncio.wait_for(reader.read(65536), 5)
-        writer.close()
-        await server.stop(1.0)
-        sock.close()
+        async with _serving() as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            request = b"GET /fine HTTP/1.1\r\nhost: x\r\n\r\n"
+            writer.write(request * 3)  # pipelined: answered in order, one at a time
+            data = b""
+            while data.count(b"HTTP/1.1 200") < 3:
+                data += await asyncio.wait_for(reader.read(65536), 5)
+            writer.close()
 
     asyncio.run(main())
