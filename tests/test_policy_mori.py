@@ -514,17 +514,6 @@ def test_promotion_leaves_room_for_the_growth_of_reasoning_programs():
     assert policy.tick(5.0) == [] and policy.route("n") is None
 
 
-def test_mori_keeps_no_growth_reserve_while_its_host_tier_can_take_a_demotion():
-    tight = make("mori", cpu=1000)  # 450 tokens of host room: a demotion would recompute
-    _growing(tight)
-    assert tight.promotion_reserve("r0") == 200
-    roomy = make("mori", cpu=3000)  # 2,450: an overflow's victim keeps its host copy
-    _growing(roomy)
-    assert roomy.promotion_reserve("r0") == 0
-    roomy.on_request("n", 3.1, 400)  # fits the 450 free tokens
-    assert roomy.route("n") == "r0"
-
-
 def test_acting_programs_reserve_nothing():
     policy = make()
     _growing(policy)

@@ -40,7 +40,6 @@ from router.policy.program import Program
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
 
 UNKNOWN_TOOL = "unknown"  # a gap whose tool the router was not told
-RESERVE_FREE_HOST = 0.5  # host room, in GPU budgets, past which no growth reserve is kept
 RETURN_WAIT_ALPHA = 0.1  # weight of the newest return wait in `return_wait_s`
 EVENT_CANDIDATES = 8  # held requests (by priority) that may displace on an event
 REFRESH_PROGRAMS = 1000  # GPU programs whose expected idle time a tick re-ranks (at least
@@ -149,20 +148,6 @@ class PricedPolicy(MoriPaperPolicy):
         """
         cpu, gpu = Placement(Tier.CPU, replica), Placement(Tier.GPU, replica)
         return self.tiers.budget(cpu) - self.tiers.used(cpu) - self.tiers.used(gpu)
-
-    def promotion_reserve(self, replica: str) -> int:
-        """The growth reserve (`MoriPaperPolicy.promotion_reserve`) only while the host
-        tier could not take the demotion an overflow causes.
-
-        The reserve exists because a tier packed to the brim overflows at the next step
-        end and the demotion that fixes it costs the victim a recompute when its host copy
-        does not survive. With `RESERVE_FREE_HOST` of a GPU budget free in host DRAM the
-        victim keeps its copy and comes back by a reload, and the reserve only idles GPU
-        room: on the two-replica demo cell (CPU ratio 2) dropping it there gave +1.5 %
-        output tok/s over seeds 0-9 and left every policy-matrix cell within 1 %
-        (docs/policy.md, "Growth reserve")."""
-        spare = self.host_room(replica) / max(1, self.tiers.budget(Placement(Tier.GPU, replica)))
-        return 0 if spare >= RESERVE_FREE_HOST else super().promotion_reserve(replica)
 
     def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
         if dst.tier is Tier.CPU and p.context_tokens > self.host_room(dst.replica):  # type: ignore[arg-type]
