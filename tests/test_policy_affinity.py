@@ -132,3 +132,19 @@ def test_busier_per_token_programs_are_promoted_first(name):
     policy.end("h2", 3.0)
     assert policy.route("small") == "r0"
     assert policy.route("big") is None
+
+
+@pytest.mark.parametrize("policy_name", ["mori-priced", "mori"])
+def test_new_programs_spread_by_the_programs_a_replica_runs_not_by_its_free_room(policy_name):
+    """r0 runs one large program, r1 two small ones; four new programs arrive at once.
+    By free room alone all four go to r1 and stay there for life (affinity); by the
+    programs each replica runs (then room) they split 2 / 2, so both replicas work."""
+    policy = make(policy=policy_name)
+    for pid, tokens, home in (("big", 600, "r0"), ("small1", 100, "r1"), ("small2", 100, "r1")):
+        policy.on_request(pid, 0.0, tokens)
+        assert policy.route(pid) == home
+    placed = []
+    for i in range(4):
+        policy.on_request(f"n{i}", 1.0, 50)
+        placed.append(policy.route(f"n{i}"))
+    assert placed == ["r0", "r1", "r0", "r1"]

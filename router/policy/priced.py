@@ -162,7 +162,7 @@ class PricedPolicy(MoriPaperPolicy):
         most room."""
         home = p.last_replica
         if home not in free:
-            return super()._replicas_for(p, free, now)
+            return self._spread_order(free)
         if self._home_only:
             return [home]
         others = sorted(
@@ -171,6 +171,15 @@ class PricedPolicy(MoriPaperPolicy):
             reverse=True,
         )
         return [home, *(r for r in others if self._leave_for(p, r, now))]
+
+    def _spread_order(self, free: dict[str, int]) -> list[str]:
+        """Where a program with no replica goes: fewest programs on the GPU tier first, then
+        most room. The programs there are the replica's compute load to come; its free room
+        is a snapshot that a task's last steps or one large idle program distort, and
+        affinity then keeps the placement for the program's whole life (All-Gather, one
+        task in flight: by room, a new task's 8 agents all went where the last task's
+        stragglers had just left, and one replica did 75 % of the work)."""
+        return spread_order(free, {r: self.tiers.count(Placement(Tier.GPU, r)) for r in free})
 
     def _pack_waiting(
         self, ranked: list[Program], free: dict[str, int], now: float, moves: list[Move]
@@ -412,6 +421,11 @@ class PricedPolicy(MoriPaperPolicy):
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
         free[replica] -= self.tiers.used(gpu) - before
         return moves
+
+
+def spread_order(free: dict[str, int], programs: dict[str, int]) -> list[str]:
+    """Replicas by the programs they run (fewest first), then by free room (most first)."""
+    return sorted(free, key=lambda r: (programs[r], -free[r]))
 
 
 class _Queue:

@@ -40,6 +40,7 @@ from typing import Any
 
 from router.policy.base import PolicyConfig
 from router.policy.mori import MoriPolicy
+from router.policy.priced import spread_order
 from router.policy.program import Program
 from router.policy.rounds import Round
 from router.policy.runtime import PushScores
@@ -281,10 +282,8 @@ class TokenDancePolicy(MoriPolicy):
         fits (else the roomiest): a round's agents grow alike, so counts balance the
         replicas' future load where free room only shows the present (a task that is
         ending holds room for a moment and would send a whole new round elsewhere)."""
-        fits = [r for r in free if p.context_tokens <= free[r]]
-        if not fits:
-            return max(free, key=free.__getitem__)
-        return min(fits, key=lambda r: (agents[r], -free[r]))
+        fits = [r for r in spread_order(free, agents) if p.context_tokens <= free[r]]
+        return fits[0] if fits else max(free, key=free.__getitem__)
 
     def _shares_enough(self, members: list[Program]) -> bool:
         """The round's members hold, on average, `round_share_min` of their contexts in
