@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,6 +113,12 @@ def one_run(
                 stop.set()
                 sampler.join()
     row = json.loads(out.read_text())["results"][0]
+    if args.keep is not None:  # the replay's JSON, CSV and per-step CSV, for the tail's why
+        kept = args.keep / f"{device_tokens}-{policy}-{time.strftime('%H%M%S')}"
+        kept.mkdir(parents=True, exist_ok=True)
+        for f in work.glob(f"{policy}.*"):
+            if f.is_file():
+                shutil.copy2(f, kept / f.name)
     return {
         **{m: row[m] for m in METRICS},
         "failed_steps": row.get("failed_steps", 0),  # refused or broken steps: not counted
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smg-python", type=Path, default=SMG_PYTHON)
     parser.add_argument("--write", type=Path, help="append the tables to this markdown file")
+    parser.add_argument(
+        "--keep", type=Path, help="copy every replay's JSON and per-step CSV under this folder"
+    )
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if GATEWAY in policies and not args.smg_python.exists():
