@@ -5,6 +5,7 @@
     python bench/real_engine_ab.py --write bench/results/2026-11-23-real-engine-ab.md
     python bench/real_engine_ab.py --policies mori,smg,smg-gateway --max-total-tokens 3072 12288
     python bench/real_engine_ab.py --model-shape 512x8     # a model whose misses cost seconds
+    python bench/real_engine_ab.py --keep out/ab           # each replay's per-step CSV too
 
 `smg-gateway` is the real SGLang Model Gateway (`smg` 1.13, its cache-aware policy, installed
 as bench/gateways.py says) in front of the same fresh engine, instead of `mori serve`.
