@@ -13,7 +13,7 @@ import pytest
 
 from router.policy import PolicyConfig, make_policy
 from router.policy.priced import PricedPolicy
-from router.policy.types import WAITING, MoveReason, ReplicaCapacity, Status
+from router.policy.types import WAITING, MoveReason, Placement, ReplicaCapacity, Status, Tier
 
 RECOMPUTE_S_PER_TOKEN = 1e-3
 
@@ -134,17 +134,35 @@ def test_busier_per_token_programs_are_promoted_first(name):
     assert policy.route("big") is None
 
 
+def settle_on(policy: PricedPolicy, pid: str, replica: str, tokens: int, t: float) -> None:
+    """`pid` ran one step and is in a tool call on `replica`'s GPU tier."""
+    step(policy, pid, t, tokens)
+    gpu = Placement(Tier.GPU, replica)
+    if policy.programs[pid].placement != gpu:
+        policy._move(policy.programs[pid], gpu, MoveReason.PROMOTE_WAITING, t + 1)
+
+
 @pytest.mark.parametrize("policy_name", ["mori-priced", "mori"])
-def test_new_programs_spread_by_the_programs_a_replica_runs_not_by_its_free_room(policy_name):
-    """r0 runs one large program, r1 two small ones; four new programs arrive at once.
-    By free room alone all four go to r1 and stay there for life (affinity); by the
-    programs each replica runs (then room) they split 2 / 2, so both replicas work."""
+def test_new_programs_spread_by_room_per_program_not_by_free_room_alone(policy_name):
+    """r1 holds three programs (a task's last steps), r0 one, with more free room; four
+    new programs arrive at once. By free room alone all four go to r0 and stay there for
+    life (affinity); by the room each program would have, the fourth goes to r1."""
     policy = make(policy=policy_name)
-    for pid, tokens, home in (("big", 600, "r0"), ("small1", 100, "r1"), ("small2", 100, "r1")):
-        policy.on_request(pid, 0.0, tokens)
-        assert policy.route(pid) == home
+    for pid, replica in (("a", "r0"), ("b", "r1"), ("c", "r1"), ("d", "r1")):
+        settle_on(policy, pid, replica, 100, 0.0)
     placed = []
-    for i in range(4):
-        policy.on_request(f"n{i}", 1.0, 50)
+    for i in range(4):  # r0: 900 free for 1 + 1 (450), r1: 700 for 3 + 1 (175)
+        policy.on_request(f"n{i}", 5.0, 50)
         placed.append(policy.route(f"n{i}"))
-    assert placed == ["r0", "r1", "r0", "r1"]
+    assert placed == ["r0", "r0", "r0", "r1"]
+
+
+def test_a_replica_with_ten_times_the_room_takes_about_ten_times_the_new_programs():
+    """By free room alone the large replica takes all eleven, by count a third."""
+    policy = make()
+    policy.add_replica("big", ReplicaCapacity(10_000, 0))
+    placed = []
+    for i in range(11):
+        policy.on_request(f"n{i}", 0.0, 10)
+        placed.append(policy.route(f"n{i}"))
+    assert 8 <= placed.count("big") <= 10, placed

@@ -173,12 +173,13 @@ class PricedPolicy(MoriPaperPolicy):
         return [home, *(r for r in others if self._leave_for(p, r, now))]
 
     def _spread_order(self, free: dict[str, int]) -> list[str]:
-        """Where a program with no replica goes: fewest programs on the GPU tier first, then
-        most room. The programs there are the replica's compute load to come; its free room
-        is a snapshot that a task's last steps or one large idle program distort, and
-        affinity then keeps the placement for the program's whole life (All-Gather, one
-        task in flight: by room, a new task's 8 agents all went where the last task's
-        stragglers had just left, and one replica did 75 % of the work)."""
+        """Where a program with no replica goes: most free room per program first, counting
+        the newcomer (`spread_order`). Free room alone is a snapshot that a task's last
+        steps or one large idle program distort, and affinity then keeps the placement for
+        the program's whole life (All-Gather, one task in flight: by room, a new task's 8
+        agents all went where the last task's stragglers had just left, and one replica did
+        75 % of the work); the programs a replica runs are its load to come. Per program
+        of room, a replica with ten times the KV still takes about ten times the programs."""
         return spread_order(free, {r: self.tiers.count(Placement(Tier.GPU, r)) for r in free})
 
     def _pack_waiting(
@@ -424,8 +425,9 @@ class PricedPolicy(MoriPaperPolicy):
 
 
 def spread_order(free: dict[str, int], programs: dict[str, int]) -> list[str]:
-    """Replicas by the programs they run (fewest first), then by free room (most first)."""
-    return sorted(free, key=lambda r: (programs[r], -free[r]))
+    """Replicas by the free room each of their programs would have with one more (most
+    first), then by free room."""
+    return sorted(free, key=lambda r: (-free[r] / (programs[r] + 1), -free[r]))
 
 
 class _Queue:
