@@ -278,10 +278,11 @@ class TokenDancePolicy(MoriPolicy):
 
     @staticmethod
     def _spread(p: Program, free: dict[str, int], agents: dict[str, int]) -> str:
-        """A new agent of a round goes where the fewest agents run, among the replicas it
-        fits (else the roomiest): a round's agents grow alike, so counts balance the
-        replicas' future load where free room only shows the present (a task that is
-        ending holds room for a moment and would send a whole new round elsewhere)."""
+        """A new agent of a round goes where each agent would have the most free room,
+        among the replicas it fits (else the roomiest): a round's agents grow alike, so
+        counting them balances the replicas' future load where free room alone only shows
+        the present (a task that is ending holds room for a moment and would send a whole
+        new round elsewhere)."""
         fits = [r for r in spread_order(free, agents) if p.context_tokens <= free[r]]
         return fits[0] if fits else max(free, key=free.__getitem__)
 
