@@ -204,13 +204,13 @@ def target_table(rows: list[dict], preset: str) -> str:
             and p99 <= P99_MORI * mori_p99
             and ours["output_tok_s"] >= mori["output_tok_s"]
         )
-        free = [r["round_latency_p99_s"] for (_, c), r in bound.items() if c == load]
-        span = f"{min(free):.2f}-{max(free):.2f}" if free else "-"
+        floor = [r["round_latency_p99_s"] for (_, c), r in bound.items() if c == load]
+        span = f"{min(floor):.2f}-{max(floor):.2f}" if floor else "-"
         lines.append(
             f"| {load} | {_x(p99, smg['round_latency_p99_s'])} | {_x(p99, mori_p99)} | "
             f"{_x(ours['output_tok_s'], mori['output_tok_s'])} | {'yes' if met else 'no'} | "
             f"{p99:.2f} / {mori_p99:.2f} / {P99_MORI * mori_p99:.2f} | {span} | "
-            f"{_x(mori_p99, min(free)) if free else '-'} |"
+            f"{_x(mori_p99, min(floor)) if floor else '-'} |"
         )
     return "\n".join(lines)
 

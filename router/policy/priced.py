@@ -158,8 +158,8 @@ class PricedPolicy(MoriPaperPolicy):
     def _replicas_for(self, p: Program, free: dict[str, int], now: float) -> list[str]:
         """A returning program goes back to its own replica (where its KV, device or host
         copy, may still be), and to another one only once moving there pays
-        (`_leave_for`); a new program, or one whose replica is gone, goes where there is
-        most room."""
+        (`_leave_for`); a new program, or one whose replica is gone, goes where each
+        program would have the most room (`_spread_order`)."""
         home = p.last_replica
         if home not in free:
             return self._spread_order(free)

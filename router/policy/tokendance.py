@@ -283,8 +283,8 @@ class TokenDancePolicy(MoriPolicy):
         counting them balances the replicas' future load where free room alone only shows
         the present (a task that is ending holds room for a moment and would send a whole
         new round elsewhere)."""
-        fits = [r for r in spread_order(free, agents) if p.context_tokens <= free[r]]
-        return fits[0] if fits else max(free, key=free.__getitem__)
+        fits = (r for r in spread_order(free, agents) if p.context_tokens <= free[r])
+        return next(fits, max(free, key=free.__getitem__))
 
     def _shares_enough(self, members: list[Program]) -> bool:
         """The round's members hold, on average, `round_share_min` of their contexts in
