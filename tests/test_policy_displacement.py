@@ -171,14 +171,44 @@ def test_reasoning_programs_are_never_displaced():
 
 
 def test_host_room_leaves_out_the_gpu_tier_backups():
-    """HiCache keeps a host copy of every GPU block: with host = GPU and the GPU tier full,
-    a demoted program has no host room left and goes to WAITING."""
+    """HiCache keeps a host copy of every GPU block: with host = GPU and the GPU tier full
+    there is no host room left, yet a program demoted off that GPU keeps the copy it has
+    (the host holds the same blocks before and after), so it goes to CPU, not WAITING."""
     policy = make(gpu=1000, cpu=1000)
     acting(policy, "a", 0.0, 500)
     acting(policy, "b", 0.5, 500)
     assert policy.host_room("r0") == 0
     policy.set_capacity("r0", ReplicaCapacity(500, 1000))
     policy.tick(3.0)
+    assert sorted(map(str, (where(policy, "a"), where(policy, "b")))) == sorted(
+        map(str, (CPU0, GPU0))
+    )
+
+
+def test_a_victim_swapped_for_a_cpu_program_keeps_its_host_copy():
+    """Host = GPU, both full: x on the CPU tier returns and displaces a. x's KV comes back
+    from host and a's stays there: the host holds the same blocks, so a goes to CPU and is
+    priced as a reload. Asking a's size in free host room on top counted a twice: it went
+    to WAITING, its host copy first to go (the demo cell recomputed 40 % of such prompts)."""
+    policy = make(gpu=1000, cpu=1500)
+    acting(policy, "x", 0.0, 500)
+    acting(policy, "a", 0.5, 500)
+    acting(policy, "b", 0.6, 500)  # x (least recently active) moved to CPU for b
+    assert where(policy, "x") == CPU0 and policy.host_room("r0") == 0
+    policy.on_request("x", 60.0, 500)
+    assert where(policy, "x") == GPU0 and policy.route("x") == "r0"
+    assert CPU0 in (where(policy, "a"), where(policy, "b"))
+    assert WAIT not in (where(policy, "a"), where(policy, "b"))
+
+
+def test_a_victim_swapped_for_a_program_without_a_host_copy_loses_its_own():
+    """The same, but the newcomer n has no host copy: its KV is written through to a full
+    host, so the victim's copy does not survive and it goes to WAITING."""
+    policy = make(gpu=1000, cpu=1000)
+    acting(policy, "a", 0.0, 500)
+    acting(policy, "b", 0.5, 500)
+    policy.on_request("n", 60.0, 500)
+    assert where(policy, "n") == GPU0
     assert WAIT in (where(policy, "a"), where(policy, "b"))
 
 

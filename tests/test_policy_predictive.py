@@ -161,6 +161,17 @@ def test_predictive_promotion_leaves_room_to_requests_at_the_gate():
     assert by_reason(policy.tick(31.0), MoveReason.PROMOTE_PREDICTED) == []
 
 
+def test_no_predictive_promotion_into_room_a_held_request_is_gathering():
+    """d (800) waits for r0 and does not fit the 700 free tokens yet: that room is gathering
+    for it, so the due prediction of a (600) must not take it (and put d behind a bet)."""
+    policy = make()
+    _offloaded(policy)
+    policy.on_request("d", 29.0, 800)
+    assert policy.programs["d"].pending and policy.tiers.free(GPU0) == 700
+    assert by_reason(policy.tick(31.0), MoveReason.PROMOTE_PREDICTED) == []
+    assert where(policy, "a") == CPU0
+
+
 def test_early_return_falls_back_to_normal_promotion():
     policy = make()
     _offloaded(policy)

@@ -149,8 +149,22 @@ class PricedPolicy(MoriPaperPolicy):
         cpu, gpu = Placement(Tier.CPU, replica), Placement(Tier.GPU, replica)
         return self.tiers.budget(cpu) - self.tiers.used(cpu) - self.tiers.used(gpu)
 
+    def keeps_host_copy(self, p: Program, replica: str) -> bool:
+        """Whether `p` keeps a host copy of its KV on `replica`'s CPU tier.
+
+        A program on that replica's GPU tier has its copy there already (write-through)
+        and `host_room` counts it: moving it to CPU changes no host usage, so it keeps
+        the copy unless the host is over budget. Demanding its size in free host room on
+        top, as before, counted it twice: victims on a full host were priced as
+        recomputes, went to WAITING (whose host copies go first) and recomputed 40 % of
+        their prompts on return (the README's demo cell, simulated)."""
+        room = self.host_room(replica)
+        if p.placement == Placement(Tier.GPU, replica):
+            return room >= 0
+        return p.context_tokens <= room
+
     def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
-        if dst.tier is Tier.CPU and p.context_tokens > self.host_room(dst.replica):  # type: ignore[arg-type]
+        if dst.tier is Tier.CPU and not self.keeps_host_copy(p, dst.replica):  # type: ignore[arg-type]
             return WAITING
         return dst
 
@@ -341,7 +355,7 @@ class PricedPolicy(MoriPaperPolicy):
         moves: list[Move] = []
         # The most a replica can offer a request (free room + its movable programs); a
         # request larger than that on every target costs nothing to pass over.
-        room: dict[tuple[str, bool], int] = {}
+        room: dict[tuple[str, str], int] = {}
         for p in candidates:
             if not p.pending:
                 continue
@@ -352,15 +366,15 @@ class PricedPolicy(MoriPaperPolicy):
                 targets = sorted(free, key=free.__getitem__, reverse=True)
             for r in targets:
                 needed = p.context_tokens - free[r]  # type: ignore[index]
-                key = (r, aged)
+                key = (r, _pool_kind(p, r, aged))  # type: ignore[arg-type]
                 if key not in room:
-                    room[key] = self._victims.room(r, aged, now)  # type: ignore[arg-type]
-                if needed > room[key]:  # type: ignore[index]
+                    room[key] = self._victims.room(*key, now)
+                if needed > room[key]:
                     continue
-                victims = self._victims.take(r, needed, aged, now)  # type: ignore[arg-type]
+                victims = self._victims.take(*key, needed, now)
                 if victims:
                     moves += self._swap_in(p, r, victims, free, now)  # type: ignore[arg-type]
-                    room[key] -= sum(v.context_tokens for v in victims)  # type: ignore[index]
+                    room[key] -= sum(v.context_tokens for v in victims)
                     break
         return moves
 
@@ -430,6 +444,20 @@ def spread_order(free: dict[str, int], programs: dict[str, int]) -> list[str]:
     return sorted(free, key=lambda r: (-free[r] / (programs[r] + 1), -free[r]))
 
 
+AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # victim pools, by what the request needs
+
+
+def _pool_kind(p: Program, replica: str, aged: bool) -> str:
+    """Which victims a held request may move on `replica`: an aged one any ACTING program;
+    one whose KV is in that replica's host tier (`RELOAD`) brings no new host blocks, so
+    a victim keeps its own host copy; one whose KV is written to host anew (`FRESH`)
+    takes about the room it is given there, so a victim keeps its copy only if the host
+    has room for it on top (`PricedPolicy.keeps_host_copy`)."""
+    if aged:
+        return AGED
+    return RELOAD if p.placement == Placement(Tier.CPU, replica) else FRESH
+
+
 class _Queue:
     """Held requests by promotion priority, so an event takes the first few in O(log n).
 
@@ -471,76 +499,74 @@ class _Victims:
     Built per replica on first use after a tick; a program that goes ACTING on a GPU tier
     between ticks is inserted (`add`), so an event never re-ranks a whole tier. Entries go
     stale when their program leaves the GPU or starts its next step; `take` skips them.
-    Aged requests (ticks only) may take any ACTING program, from a pool of their own.
+    A pool per replica and kind of request (`_pool_kind`): whether a move pays depends on
+    whether the victim keeps its host copy, which depends on what the request brings;
+    aged requests (ticks only) may take any ACTING program.
     """
 
     def __init__(self, policy: PricedPolicy) -> None:
         self._policy = policy
-        self._pools: dict[tuple[str, bool], list[tuple[float, int, Program, float]]] = {}
+        self._pools: dict[tuple[str, str], list[tuple[float, int, Program, float]]] = {}
         self._seq = count()
 
-    def _entry(self, q: Program, now: float, any_victim: bool, room: int):
+    def _entry(self, q: Program, now: float, kind: str):
         """(-expected idle, seq, q, start of its tool call), or None if moving q does not
-        pay (`room`: the replica's host room, which decides reload against recompute)."""
+        pay (a reload if it keeps its host copy, else a recompute)."""
         policy = self._policy
         idle = policy.expected_idle_s(q, now)
-        if not any_victim:
-            cost = policy.move_cost_s(q, kept_on_host=q.context_tokens <= room)
+        if kind != AGED:
+            replica: str = q.placement.replica  # type: ignore[assignment]
+            if kind == RELOAD:
+                kept = policy.keeps_host_copy(q, replica)
+            else:
+                kept = q.context_tokens <= policy.host_room(replica)
+            cost = policy.move_cost_s(q, kept_on_host=kept)
             if not policy.move_pays(q, idle, policy.config.displace_margin * cost, now):
                 return None
         return (-idle, next(self._seq), q, q.interval_start)
 
-    def _pool(
-        self, replica: str, any_victim: bool, now: float
-    ) -> list[tuple[float, int, Program, float]]:
-        pool = self._pools.get((replica, any_victim))
+    def _pool(self, replica: str, kind: str, now: float) -> list[tuple[float, int, Program, float]]:
+        pool = self._pools.get((replica, kind))
         if pool is None:
-            pool = self._pools[(replica, any_victim)] = self.rank(replica, any_victim, now)
+            pool = self._pools[(replica, kind)] = self.rank(replica, kind, now)
         return pool
 
-    def rank(
-        self, replica: str, any_victim: bool, now: float
-    ) -> list[tuple[float, int, Program, float]]:
+    def rank(self, replica: str, kind: str, now: float) -> list[tuple[float, int, Program, float]]:
         """Every ACTING program of GPU(replica) whose move pays, farthest return first."""
-        room = self._policy.host_room(replica)
         members = self._policy.tiers.members(Placement(Tier.GPU, replica))
         entries = (
-            self._entry(q, now, any_victim, room)
+            self._entry(q, now, kind)
             for q in members
             if q.status is Status.ACTING and q.demote_after_step is None
         )
         return sorted(e for e in entries if e)
 
     def refresh(self, replica: str, now: float) -> None:
-        """Re-rank one replica's pool (expected idle times grow as tool calls go on): now
-        if a request is held (the tick's pass is about to use it), else when next used,
-        so while nothing waits no step's end pays for ranking its program (`add` finds
-        no pool)."""
-        if self._policy._held:  # a request waits at the gate
-            self._pools[(replica, False)] = self.rank(replica, False, now)
-        else:
-            self._pools.pop((replica, False), None)
-        self._pools.pop((replica, True), None)
+        """Re-rank one replica's pools (expected idle times grow as tool calls go on) when
+        next used, so while nothing waits no step's end pays for ranking its program
+        (`add` finds no pool)."""
+        for kind in (AGED, RELOAD, FRESH):
+            self._pools.pop((replica, kind), None)
 
     def add(self, q: Program, now: float) -> None:
-        replica = q.placement.replica
-        pool = self._pools.get((replica, False))  # type: ignore[arg-type]
-        if pool is not None:
-            entry = self._entry(q, now, False, self._policy.host_room(replica))  # type: ignore[arg-type]
+        replica: str = q.placement.replica  # type: ignore[assignment]
+        for kind in (RELOAD, FRESH):
+            pool = self._pools.get((replica, kind))
+            entry = None if pool is None else self._entry(q, now, kind)
             if entry is not None:
-                insort(pool, entry)
+                insort(pool, entry)  # type: ignore[arg-type]
 
-    def room(self, replica: str, aged: bool, now: float) -> int:
+    def room(self, replica: str, kind: str, now: float) -> int:
         """Tokens the pool could free on `replica` (an upper bound: stale entries count)."""
-        return sum(entry[2].context_tokens for entry in self._pool(replica, aged, now))
+        return sum(entry[2].context_tokens for entry in self._pool(replica, kind, now))
 
-    def take(self, replica: str, needed: int, aged: bool, now: float) -> list[Program]:
+    def take(self, replica: str, kind: str, needed: int, now: float) -> list[Program]:
         """Victims freeing `needed` tokens on `replica`, farthest return first, or [] (a
         partial move would be churn for nothing)."""
         if needed <= 0:
             return []
         gpu, chosen, freed = Placement(Tier.GPU, replica), [], 0
-        pool = self._pool(replica, aged, now)
+        pool = self._pool(replica, kind, now)
         stale = 0
         for _, _, q, since in pool:
             valid = q.placement == gpu and q.status is Status.ACTING

@@ -323,14 +323,13 @@ class TokenDancePolicy(MoriPolicy):
         waited long enough (`yielding`) may move any ACTING program, then the `younger`
         rounds' requests held on this GPU."""
         gpu = Placement(Tier.GPU, replica)
-        room = self.host_room(replica)
         margin = self.config.displace_margin
         priced: list[tuple[float, Program]] = []
         for q in self.tiers.members(gpu):
             if q.status is not Status.ACTING or q.pending or q.demote_after_step is not None:
                 continue
             idle = self._expected_back_s(q, now)
-            cost = self.move_cost_s(q, kept_on_host=q.context_tokens <= room)
+            cost = self.move_cost_s(q, kept_on_host=self.keeps_host_copy(q, replica))
             if yielding or idle >= margin * cost:
                 priced.append((idle, q))
         order = [q for _, q in sorted(priced, key=lambda e: -e[0])]
