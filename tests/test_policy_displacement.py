@@ -267,3 +267,22 @@ def test_victims_are_ranked_only_when_a_request_waits():
     policy.on_request("n", 20.0, 1000)  # the tier is full: someone must move for it
     assert policy.route("n") == "r0"
     assert sorted(set(ranked)) == ["a", "b", "c"]
+
+
+def test_a_move_is_priced_by_what_the_request_brings():
+    """Host full (host room 0), recomputes dear (500 tokens: 10 s), reloads cheap (0.05 s).
+    A new request brings no host copy: its KV is written to host anew, a victim's copy
+    would not survive, the move is a recompute and does not pay, so it waits. The CPU-tier
+    program x brings its copy: the victim keeps its own, the move is a reload and pays."""
+    policy = make(gpu=1000, cpu=1500, prefill_s_per_token=2e-2)
+    acting(policy, "x", 0.0, 500)
+    acting(policy, "a", 0.5, 500)
+    acting(policy, "b", 0.6, 500)  # x moved to CPU (host room was 500)
+    assert where(policy, "x") == CPU0 and policy.host_room("r0") == 0
+    policy.tick(1.9)  # victims are priced per tick (b's move was priced with host room)
+    policy.on_request("n", 2.0, 500)
+    assert policy.programs["n"].pending and where(policy, "n") == WAIT
+    policy.on_request("x", 2.5, 500)
+    assert where(policy, "x") == GPU0 and policy.route("x") == "r0"
+    assert CPU0 in (where(policy, "a"), where(policy, "b"))
+    assert policy.programs["n"].pending
