@@ -163,6 +163,16 @@ class PricedPolicy(MoriPaperPolicy):
             return room >= 0
         return p.context_tokens <= room
 
+    def victim_keeps_copy(self, q: Program, fresh: bool) -> bool:
+        """Whether ACTING `q`, moved off its GPU tier to make room for a request, keeps its
+        host copy. A request whose KV is in that replica's host tier brings no new host
+        blocks (`keeps_host_copy`); one whose KV is written to host anew (`fresh`) takes
+        about the room q frees, so q keeps its copy only if the host has that much free."""
+        replica: str = q.placement.replica  # type: ignore[assignment]
+        if fresh:
+            return q.context_tokens <= self.host_room(replica)
+        return self.keeps_host_copy(q, replica)
+
     def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
         if dst.tier is Tier.CPU and not self.keeps_host_copy(p, dst.replica):  # type: ignore[arg-type]
             return WAITING
@@ -449,10 +459,9 @@ AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # victim pools, by what the req
 
 def _pool_kind(p: Program, replica: str, aged: bool) -> str:
     """Which victims a held request may move on `replica`: an aged one any ACTING program;
-    one whose KV is in that replica's host tier (`RELOAD`) brings no new host blocks, so
-    a victim keeps its own host copy; one whose KV is written to host anew (`FRESH`)
-    takes about the room it is given there, so a victim keeps its copy only if the host
-    has room for it on top (`PricedPolicy.keeps_host_copy`)."""
+    else those whose move pays, priced by whether they keep their host copy, which depends
+    on whether the request's KV is in that replica's host tier (`RELOAD`) or is written to
+    host anew (`FRESH`; `PricedPolicy.victim_keeps_copy`)."""
     if aged:
         return AGED
     return RELOAD if p.placement == Placement(Tier.CPU, replica) else FRESH
@@ -515,11 +524,7 @@ class _Victims:
         policy = self._policy
         idle = policy.expected_idle_s(q, now)
         if kind != AGED:
-            replica: str = q.placement.replica  # type: ignore[assignment]
-            if kind == RELOAD:
-                kept = policy.keeps_host_copy(q, replica)
-            else:
-                kept = q.context_tokens <= policy.host_room(replica)
+            kept = policy.victim_keeps_copy(q, fresh=kind == FRESH)
             cost = policy.move_cost_s(q, kept_on_host=kept)
             if not policy.move_pays(q, idle, policy.config.displace_margin * cost, now):
                 return None

@@ -212,7 +212,8 @@ class TokenDancePolicy(MoriPolicy):
             for replica, group in groups.items():
                 short = _need(group, replica, self) - self._free(replica)
                 if short > 0:
-                    moves += self._make_room(replica, short, now, younger, yielding)
+                    fresh = any(p.placement != Placement(Tier.CPU, replica) for p in group)
+                    moves += self._make_room(replica, short, now, younger, yielding, fresh)
                 moves += self._place(group, replica, now)
                 if any(p.pending for p in group):
                     blocked.add(replica)
@@ -314,14 +315,21 @@ class TokenDancePolicy(MoriPolicy):
         return home.most_common(1)[0][0] if home else max(replicas, key=self._free)
 
     def _make_room(
-        self, replica: str, short: int, now: float, younger: list[Program], yielding: bool
+        self,
+        replica: str,
+        short: int,
+        now: float,
+        younger: list[Program],
+        yielding: bool,
+        fresh: bool,
     ) -> list[Move]:
         """Moves freeing `short` tokens on GPU(replica), or none (a partial move would be
         churn for nothing): ACTING programs whose move pays (MORI's priced rule: expected
         idle time >= `displace_margin` x the reload or recompute), farthest return first;
         an agent at a round's barrier is expected back when its round ends. A round that
         waited long enough (`yielding`) may move any ACTING program, then the `younger`
-        rounds' requests held on this GPU."""
+        rounds' requests held on this GPU. `fresh`: some of the round's KV is written to
+        host anew (`victim_keeps_copy`)."""
         gpu = Placement(Tier.GPU, replica)
         margin = self.config.displace_margin
         priced: list[tuple[float, Program]] = []
@@ -329,7 +337,7 @@ class TokenDancePolicy(MoriPolicy):
             if q.status is not Status.ACTING or q.pending or q.demote_after_step is not None:
                 continue
             idle = self._expected_back_s(q, now)
-            cost = self.move_cost_s(q, kept_on_host=self.keeps_host_copy(q, replica))
+            cost = self.move_cost_s(q, kept_on_host=self.victim_keeps_copy(q, fresh))
             if yielding or idle >= margin * cost:
                 priced.append((idle, q))
         order = [q for _, q in sorted(priced, key=lambda e: -e[0])]
