@@ -145,10 +145,9 @@ class MoriPolicy(PricedPolicy):
             return []
         benefit, cost = self.offload_benefit(p, self.calls[program_id].predicted_s)
         cpu = Placement(Tier.CPU, p.placement.replica)
-        # The room it frees is for requests at the gate, whose KV is then written through
-        # to host too: its copy survives only if the host has room for about as much again
-        # (else the offload is a recompute in disguise).
-        if benefit <= cost or p.context_tokens > self.host_room(cpu.replica):  # type: ignore[arg-type]
+        # The room it frees is for requests at the gate whose KV is then written to host
+        # anew: an offload whose copy would not survive that is a recompute in disguise.
+        if benefit <= cost or not self.victim_keeps_copy(p, fresh=True):
             return []
         self.outcomes["offload_at_tool_start"] += 1
         return [self._move(p, cpu, MoveReason.OFFLOAD_TOOL, now)] + self._promote(now)
