@@ -81,6 +81,7 @@ class RouterConfig(BaseModel):
     displace_margin: float = Field(default=_POLICY.displace_margin, gt=0)
     displace_confidence: float = Field(default=_POLICY.displace_confidence, gt=0, le=1)
     home_wait: float = Field(default=_POLICY.home_wait, ge=0)
+    band_waiver_steps: int = Field(default=_POLICY.band_waiver_steps, ge=0)
     critical_ratio: float = Field(default=_POLICY.critical_ratio, ge=0, le=1)
     w_static: float = Field(default=_POLICY.w_static, ge=0)
     gpu_usage_high: float = Field(default=_POLICY.gpu_usage_high, ge=0, le=1)

@@ -521,3 +521,43 @@ def test_acting_programs_reserve_nothing():
     assert policy.promotion_reserve("r0") == 0
     policy.on_request("n", 4.1, 400)
     assert policy.route("n") == "r0"
+
+
+def _idle_beside_growth(policy: Policy, tool: str) -> None:
+    """`i` (300 tokens) in a call of `tool`, and `a` reasoning again after a step that grew
+    it by 200: 850 of 1200 tokens used. `ls` calls have lasted 0.1 s (a step: ~1 s)."""
+    t = -20.0
+    for _ in range(5):
+        t = step(policy, "t", t, 100)
+        policy.on_tool_start("t", t, "ls")
+        t += 0.1
+    policy.end("t", t)
+    step(policy, "i", 0.0, 300)
+    policy.on_tool_start("i", 1.0, tool)
+    _growing(policy)
+
+
+def test_growth_an_idle_program_would_absorb_leaves_no_band():
+    """The band waits for growth a step end brings; an overflow then demotes `i`, whose
+    tool call is expected to outlast a step: the request runs now, and nobody moves."""
+    policy = make("mori", gpu=1200, cpu=2000)
+    _idle_beside_growth(policy, "build")
+    assert policy.promotion_reserve("r0") == 200
+    moves = policy.on_request("n", 3.1, 300)  # fits the 350 free tokens, not 350 - 200
+    assert [(m.program_id, m.reason) for m in moves] == [("n", MoveReason.ADMIT)]
+
+
+def test_the_band_holds_when_the_idle_program_is_back_within_a_step():
+    """The request fits only by displacing `i` (the priced move), not into the band."""
+    policy = make("mori", gpu=1200, cpu=2000)
+    _idle_beside_growth(policy, "ls")
+    moves = policy.on_request("n", 3.1, 300)
+    assert ("i", MoveReason.DEMOTE) in [(m.program_id, m.reason) for m in moves]
+
+
+def test_the_band_holds_on_a_replica_running_more_steps_than_the_waiver_allows():
+    """Without the waiver the request fits only by displacing `i`."""
+    policy = make("mori", gpu=1200, cpu=2000, band_waiver_steps=0)
+    _idle_beside_growth(policy, "build")
+    moves = policy.on_request("n", 3.1, 300)
+    assert ("i", MoveReason.DEMOTE) in [(m.program_id, m.reason) for m in moves]

@@ -93,7 +93,17 @@ class MoriPaperPolicy(Policy):
         watermarks. ACTING programs reserve nothing: most idle ones are the victims, and
         reserving for them held GPU room empty on the idle-heavy Claude Code sample.
         """
+        return self.growth_band(replica)
+
+    def growth_band(self, replica: str) -> int:
+        """The last-step growth of GPU(replica)'s REASONING programs, summed (the part of
+        `promotion_reserve` that is MORI's; other policies add reservations of their own)."""
         return self._reserve.get(replica, 0)
+
+    def leave_free(self, replica: str, now: float) -> int:
+        """Room a promotion pass leaves free on GPU(replica) at `now`: the reserve (a hook:
+        `mori` waives the part of the growth band that idle programs would absorb)."""
+        return self.promotion_reserve(replica)
 
     def reasoning_on(self, replica: str) -> int:
         """How many programs have a step running on `replica` (the batch a recompute
@@ -240,7 +250,7 @@ class MoriPaperPolicy(Policy):
         if not self._held or not replicas:
             return []
         free = {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.promotion_reserve(r) for r in replicas
+            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now) for r in replicas
         }
         if not displace and not self._smallest.any_fits(free, self.CPU_MAY_LEAVE_HOME):
             return []  # fast path (every event): no held request fits anywhere

@@ -360,7 +360,7 @@ class PricedPolicy(MoriPaperPolicy):
         if not candidates:
             return []
         free = {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.promotion_reserve(r) for r in replicas
+            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now) for r in replicas
         }
         moves: list[Move] = []
         # The most a replica can offer a request (free room + its movable programs); a

@@ -282,7 +282,7 @@ class SpaceScheduler(PricedPolicy):
         gpu = Placement(Tier.GPU, replica)
         others = self.unused_reserve(replica, but=kind)
         own = self.unused_reserve(replica) - others
-        room = self.tiers.free(gpu) - super().promotion_reserve(replica) - others
+        room = self.tiers.free(gpu) - self.growth_band(replica) - others
         shared = room - own
         if own <= 0 or p.context_tokens <= shared:
             return []  # no reservation to use, or MORI's pass places it
