@@ -6,6 +6,7 @@
     python bench/real_engine_ab.py --policies mori,smg,smg-gateway --max-total-tokens 3072 12288
     python bench/real_engine_ab.py --model-shape 512x8     # a model whose misses cost seconds
     python bench/real_engine_ab.py --keep out/ab           # each replay's per-step CSV too
+    python bench/real_engine_ab.py --policies "mori,mori[band_waiver_steps=0],smg"  # a knob
 
 `smg-gateway` is the real SGLang Model Gateway (`smg` 1.13, its cache-aware policy, installed
 as bench/gateways.py says) in front of the same fresh engine, instead of `mori serve`.
@@ -31,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,14 +75,37 @@ def running_sampler(url: str, stop: threading.Event, out: list[float]) -> None:
 GATEWAY = "smg-gateway"
 
 
+def split_policies(text: str) -> list[str]:
+    """Comma-separated policies; a variant `name[key=value;key=value]` keeps its commas-free
+    settings in brackets (`mori[band_waiver_steps=0]`)."""
+    return [p.strip() for p in re.split(r",(?![^\[]*\])", text) if p.strip()]
+
+
+def variant(label: str) -> tuple[str, list[str]]:
+    """(policy name, `key=value` settings) of a label such as `mori[aging_s=60;window=8]`."""
+    match = re.fullmatch(r"([^\[\]]+)(?:\[([^\[\]]*)\])?", label)
+    if match is None:
+        raise ValueError(f"bad policy {label!r}: expected NAME or NAME[key=value;...]")
+    settings = [kv.strip() for kv in (match.group(2) or "").split(";") if kv.strip()]
+    return match.group(1), settings
+
+
 def router_argv(args: argparse.Namespace, policy: str, engine: str, port: int) -> list[str]:
-    """`mori serve --policy POLICY`, or the real gateway for `smg-gateway`."""
+    """`mori serve --policy POLICY` (and a variant's settings), or the real gateway for
+    `smg-gateway`."""
     if policy == GATEWAY:
         return gateway_argv("smg", [engine], port, free_port(), python=args.smg_python)
+    name, settings = variant(policy)
+    sets = [a for kv in [f"tick_s={args.tick_s}", *settings] for a in ("--set", kv)]
     return mori(
-        "serve", "--replicas", engine, "--port", str(port), "--policy", policy,
-        "--set", f"tick_s={args.tick_s}", "--log-level", "warning",
+        "serve", "--replicas", engine, "--port", str(port), "--policy", name, *sets,
+        "--log-level", "warning",
     )  # fmt: skip
+
+
+def _stem(policy: str) -> str:
+    """A file name for a policy label (a variant's brackets and settings made plain)."""
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", policy).strip("_")
 
 
 def one_run(
@@ -97,7 +123,7 @@ def one_run(
             stop = threading.Event()
             sampler = threading.Thread(target=running_sampler, args=(engine.url, stop, samples))
             sampler.start()
-            out = work / f"{policy}.json"
+            out = work / f"{_stem(policy)}.json"
             try:
                 replay = mori(
                     "replay", str(TRACE), "--endpoint", f"http://127.0.0.1:{port}",
@@ -115,9 +141,9 @@ def one_run(
                 sampler.join()
     row = json.loads(out.read_text())["results"][0]
     if args.keep is not None:  # the replay's JSON, CSV and per-step CSV, for the tail's why
-        kept = args.keep / f"{device_tokens}-{policy}-{time.strftime('%H%M%S')}"
+        kept = args.keep / f"{device_tokens}-{_stem(policy)}-{time.strftime('%H%M%S')}"
         kept.mkdir(parents=True, exist_ok=True)
-        for f in work.glob(f"{policy}.*"):
+        for f in work.glob(f"{_stem(policy)}.*"):
             if f.is_file():
                 shutil.copy2(f, kept / f.name)
     return {
@@ -151,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", type=Path, help="copy every replay's JSON and per-step CSV under this folder"
     )
     args = parser.parse_args(argv)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = split_policies(args.policies)
+    for label in policies:
+        try:
+            variant(label)
+        except ValueError as exc:
+            parser.error(str(exc))
     if GATEWAY in policies and not args.smg_python.exists():
         parser.error(f"no gateway at {args.smg_python}: see bench/gateways.py to install it")
     console = Console(width=120)
@@ -181,7 +212,7 @@ def runs(args, policies, model, work, budget, console) -> dict[str, list[dict]]:
             row = one_run(args, policy, model, work, budget) | {"load": load}
             rows[policy].append(row)
             console.print(
-                f"{budget} tokens, run {run + 1} {policy}: {row['output_tok_s']:.1f} tok/s "
+                f"{budget} tokens, run {run + 1} {escape(policy)}: {row['output_tok_s']:.1f} tok/s "
                 f"({time.monotonic() - started:.0f} s, load {load:.1f})"
             )
     return rows
@@ -216,7 +247,7 @@ def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> 
             f"{statistics.fmean(r['running_mean'] for r in results):.2f}",
             ", ".join(f"{r['load']:.1f}" for r in results),
         ]
-        table.add_row(policy, *cells)
+        table.add_row(escape(policy), *cells)
         md.append("| " + " | ".join([policy, *cells]) + " |")
     console.print(table)
 
@@ -234,7 +265,7 @@ def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> 
                 f"misses {misses:.2f}x"
             )
     for line in ratios:
-        console.print(line)
+        console.print(escape(line))
     return [*md, "", *(f"- {r}" for r in ratios), ""]
 
 

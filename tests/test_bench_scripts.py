@@ -28,3 +28,24 @@ def test_bench_script_starts(script: str) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
+
+
+def test_real_engine_ab_runs_a_policy_variant_with_its_settings() -> None:
+    from bench.real_engine_ab import router_argv, split_policies
+
+    labels = split_policies("mori,mori[band_waiver_steps=0;aging_s=60], smg")
+    assert labels == ["mori", "mori[band_waiver_steps=0;aging_s=60]", "smg"]
+    args = type("Args", (), {"tick_s": 1.0})()
+    argv = router_argv(args, labels[1], "http://127.0.0.1:1", 2)
+    assert argv[argv.index("--policy") + 1] == "mori"
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert sets == ["tick_s=1.0", "band_waiver_steps=0", "aging_s=60"]
+
+
+def test_real_engine_ab_refuses_a_malformed_variant_before_starting_anything() -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/real_engine_ab.py", "--policies", "mori[aging_s=60"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "bad policy 'mori[aging_s=60'" in done.stderr
