@@ -75,7 +75,7 @@ class PolicyConfig:
     home_wait: float = 100.0
     # mori: on a replica running at most this many steps, promotions may use the growth
     # band where GPU programs in tool calls expected to stay away a step would absorb the
-    # overflow (docs/policy.md "Growth band"; 0: the band always holds)
+    # overflow (docs/policy.md "The growth band gives way"; 0: the band always holds)
     band_waiver_steps: int = 8
     # mori+space (Tokencake §5): critical agent types and their reserved GPU room
     critical_ratio: float = 0.3  # share of the live agent types that are critical
