@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.policy.types import EngineMode, Hint
-from router.sim.model import PREFILL_CHUNK_TOKENS, CostModel, Done, FirstToken, ReplicaEngine
+from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine
 from router.sim.presets import PRESETS, get_preset
 
 PRESET = get_preset("h100-8b")
@@ -235,7 +235,7 @@ def test_abort_mid_prefill_frees_the_engine_at_the_next_chunk():
     engine.submit("long", "big", 333_000, 10, 0.0)
     assert engine.next_event_time() > 60
     engine.abort("long", 1.0)
-    chunk_s = engine.cost.prefill_s(PREFILL_CHUNK_TOKENS, 0)
+    chunk_s = engine.cost.prefill_s(PRESET.chunk_tokens, 0)
     assert engine.next_event_time() <= chunk_s * 4  # the chunk under way when it was aborted
     engine.submit("small", "other", 100, 1, 1.0)
     events, _ = drain(engine)
@@ -261,4 +261,4 @@ def test_abort_of_one_prompt_moves_the_rest_of_its_batch_up():
     first_b = next(e for e in events if isinstance(e, FirstToken) and e.rid == "b")
     b_alone = engine.cost.prefill_s(20_000, 0)
     assert whole > 5 * b_alone  # a's 100k tokens dominate the batch
-    assert first_b.t < start + 0.1 + engine.cost.prefill_s(PREFILL_CHUNK_TOKENS, 0) + b_alone
+    assert first_b.t < start + 0.1 + engine.cost.prefill_s(PRESET.chunk_tokens, 0) + b_alone

@@ -25,6 +25,9 @@ from router.wire import codec
 
 # Request field that makes SGLang report its device/host split of cached prompt tokens.
 CACHE_DETAILS_FLAG = "return_cached_tokens_details"
+# `mori emulate` only: the request's arrival, first token and end on the engine clock, in
+# `sglext.engine_times` of the streamed answer (`mori calibrate` times the emulator by them)
+ENGINE_TIMES_FLAG = "mori_engine_times"
 
 
 class CacheHits(NamedTuple):

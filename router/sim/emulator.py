@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.policy.types import EngineMode, Hint
-from router.protocol.accounting import CACHE_DETAILS_FLAG
+from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG
 from router.replay import prompts
 from router.sim import anthropic
 from router.sim import model as cost_model
@@ -60,6 +60,7 @@ class Job:
     stream: bool
     include_usage: bool
     cache_details: bool  # the request set return_cached_tokens_details
+    engine_times: bool  # ... mori_engine_times (its engine-clock times in the answer)
     prompt_text: str
     input_tokens: int
     output_tokens: int
@@ -198,6 +199,7 @@ def parse_job(body: Any, chat: bool, model_name: str) -> Job:
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         cache_details=body.get(CACHE_DETAILS_FLAG) is True,
+        engine_times=body.get(ENGINE_TIMES_FLAG) is True,
         prompt_text=prompt_text,
         input_tokens=prompts.count_tokens(prompt_text),
         output_tokens=output,
@@ -220,6 +222,7 @@ class Flight:
     aborted: bool = False
     cached_device: int = 0
     cached_host: int = 0
+    times: dict[str, float] = field(default_factory=dict)  # engine clock: arrived, first, done
 
 
 class EmulatedReplica:
@@ -276,8 +279,11 @@ class EmulatedReplica:
                 flight.first_token = True
                 flight.cached_device = event.cached_device
                 flight.cached_host = event.cached_host
+                flight.times["first"] = event.t
             elif isinstance(event, cost_model.Done):
                 flight.first_token = flight.done = True
+                flight.times.setdefault("first", event.t)
+                flight.times["done"] = event.t
         for flight in self.flights.values():
             flight.changed.set()
 
@@ -301,14 +307,9 @@ class EmulatedReplica:
         self.contexts[job.program_id] = job.prompt_text + _answer_text(job)
         while len(self.contexts) > PROGRAM_MEMORY:
             self.contexts.popitem(last=False)
+        flight.times["arrived"] = now = self._clock()
         self.engine.submit(
-            job.rid,
-            job.program_id,
-            job.input_tokens,
-            job.output_tokens,
-            self._clock(),
-            reused,
-            _anchor(job),
+            job.rid, job.program_id, job.input_tokens, job.output_tokens, now, reused, _anchor(job)
         )
         self._wake.set()
         return flight
@@ -413,11 +414,14 @@ def _usage(flight: Flight, completion_tokens: int) -> dict:
 
 def _sglext(flight: Flight) -> dict:
     """SGLang's `sglext` field: the device/host split, only when the request asked for it
-    and something was cached (router/protocol/accounting.py reads it)."""
-    if not flight.job.cache_details or not flight.cached_device + flight.cached_host:
-        return {}
-    split = {"device": flight.cached_device, "host": flight.cached_host}
-    return {"sglext": {"cached_tokens_details": split}}
+    and something was cached (router/protocol/accounting.py reads it); and, asked for with
+    ENGINE_TIMES_FLAG, the request's times on the engine clock."""
+    ext: dict = {}
+    if flight.job.cache_details and flight.cached_device + flight.cached_host:
+        ext["cached_tokens_details"] = {"device": flight.cached_device, "host": flight.cached_host}
+    if flight.job.engine_times:
+        ext["engine_times"] = dict(flight.times)
+    return {"sglext": ext} if ext else {}
 
 
 def _finish_reason(flight: Flight) -> str:

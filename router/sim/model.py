@@ -57,11 +57,14 @@ loaded back over PCIe; with none, the anchor is prefilled once the engine has no
 admit. Loaded tokens count as host hits when used (like a busy hint's load-back).
 
 Timing: prefill batches stall decode (SGLang runs prefill and decode batches in turn, no
-mixed chunks by default). A prefill runs in chunks of `PREFILL_CHUNK_TOKENS` (SGLang's
-chunked prefill), and an abort takes effect at the end of the current chunk: a client
+mixed chunks by default). A prefill batch's prompts run in forwards of the preset's
+`chunk_tokens` (SGLang's chunked prefill: a prompt may start in one forward and go on in
+the next), each forward costing `prefill_overhead_s` on top of its tokens' compute
+(`CostModel`), and an abort takes effect at the end of the current chunk: a client
 that leaves during a long prompt's prefill frees the engine within a chunk, not when the
 whole prompt is computed. A prefill batch lasts max(compute of the new tokens, the PCIe
-loads of its host hits), since HiCache loads layer by layer under the compute. Decode is
+loads of its host hits), since HiCache loads layer by layer under the compute, plus the
+preset's `load_serial` share of the shorter where they take turns (on CPU). Decode is
 continuous batching; one iteration costs weights + KV read from HBM (grows with batch and
 total context) plus a fixed overhead. Between events the batch is constant, so a run of k
 iterations is timed in closed form (arithmetic series) instead of one event per token.
@@ -82,8 +85,6 @@ from router.sim.kv_tree import RANK, KVTree, Node, SharedPrefix
 from router.sim.presets import Preset
 
 __all__ = ["CostModel", "Done", "FirstToken", "ReplicaEngine", "SharedPrefix"]
-
-PREFILL_CHUNK_TOKENS = 8192  # SGLang's chunked_prefill_size on an 80 GB GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,23 +108,55 @@ EngineEvent = FirstToken | Done
 
 
 class CostModel:
-    """Seconds for prefill, one decode iteration and a host->device copy, from a preset."""
+    """Seconds for prefill, one decode iteration and a host->device copy, from a preset.
+
+    Prefill is priced per token through the weights and per (query, key) pair of causal
+    attention, chunk by chunk of `chunk_tokens` as SGLang's chunked prefill runs it (each
+    chunk attends to everything before it), plus `prefill_overhead_s` per forward. An engine
+    whose extend kernel recomputes the cached prefix's own attention (`prefix_attention`)
+    pays for that in every chunk: on it, a cache hit saves the prefix's linear layers but not
+    its attention."""
 
     def __init__(self, preset: Preset) -> None:
         m = preset.model
         self.preset = preset
-        self._linear_flops = 2 * m.active_params  # per token through the weights
-        self._attn_flops = 4 * m.layers * m.q_heads * m.head_dim  # per (query, key) pair
+        self.chunk = preset.chunk_tokens
+        self._token_s = 2 * m.active_params / preset.flops_s  # one token through the weights
+        # one (query, key) pair of attention
+        self._pair_s = 4 * m.layers * m.q_heads * m.head_dim / (preset.flops_s * preset.attn_eff)
         self._kv_s = preset.kv_bytes_per_token / preset.bytes_s  # read one token's KV
         self._load_s = preset.kv_bytes_per_token / preset.pcie_bytes_s
         self._dense = m.active_params == m.total_params
 
-    def prefill_s(self, new_tokens: int, prefix_tokens: int) -> float:
-        """Compute `new_tokens` of prompt on top of `prefix_tokens` already in KV."""
+    def attention_pairs(self, new_tokens: int, prefix_tokens: int, offset: int = 0) -> float:
+        """Attention pairs of computing `new_tokens` on `prefix_tokens`, the first chunk
+        starting `offset` tokens into a forward (a batch's prompts share its chunks)."""
+        pairs, done = 0.0, 0
+        room = self.chunk - offset % self.chunk
+        rho = self.preset.prefix_attention
+        while done < new_tokens:
+            n = min(room, new_tokens - done)
+            q = prefix_tokens + done
+            pairs += n * (q + n / 2) + rho * q * q / 2
+            done, room = done + n, self.chunk
+        return pairs
+
+    def prefill_s(self, new_tokens: int, prefix_tokens: int, offset: int = 0) -> float:
+        """Compute `new_tokens` of prompt on top of `prefix_tokens` already in KV (the
+        forwards' fixed overhead is `forwards_s`, once per batch)."""
         if new_tokens <= 0:
             return 0.0
-        attn = self._attn_flops * new_tokens * (prefix_tokens + new_tokens / 2)
-        return (self._linear_flops * new_tokens + attn) / self.preset.flops_s
+        pairs = self.attention_pairs(new_tokens, prefix_tokens, offset)
+        return self._token_s * new_tokens + self._pair_s * pairs
+
+    def forwards_s(self, batch_new_tokens: int) -> float:
+        """The fixed cost of the forwards a prefill batch of this many new tokens takes."""
+        return self.preset.prefill_overhead_s * max(1, -(-batch_new_tokens // self.chunk))
+
+    def batch_s(self, compute_s: float, load_s: float) -> float:
+        """A prefill batch's span: its compute and the host loads it waits for overlap,
+        up to the preset's `load_serial` share of the shorter of the two."""
+        return max(compute_s, load_s) + self.preset.load_serial * min(compute_s, load_s)
 
     def weights_read_s(self, batch: int) -> float:
         """Dense models read all weights per iteration; an MoE reads the experts its batch
@@ -135,7 +168,7 @@ class CostModel:
     def step_coeffs(self, batch: int) -> tuple[float, float]:
         """Iteration time = a + b x total_context: (a, b) for a batch of `batch` requests."""
         p = self.preset
-        linear = max(self.weights_read_s(batch), batch * self._linear_flops / p.flops_s)
+        linear = max(self.weights_read_s(batch), batch * self._token_s)
         return linear + p.step_overhead_s + batch * p.seq_overhead_s, self._kv_s
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
@@ -163,6 +196,7 @@ class _Request:
     aborted: bool = False
     prefill_at: float = 0.0  # when its prompt's compute starts in its prefill batch
     prefill_s: float = 0.0  # ... and how long it lasts
+    offset: int = 0  # where its new tokens start in the batch's token stream (its chunks)
     path: list[Node] = field(default_factory=list)  # its context's nodes, locked on device
     extra_s: float = 0.0  # prefill time beyond its new tokens (approximate reuse's work)
 
@@ -206,7 +240,8 @@ class _Prefill:
     end: float
     batch: list[_Request] = field(default_factory=list)
     warm: Node | None = None  # a warm-up prefill of an anchor (no request)
-    ready: float = 0.0  # when the PCIe loads of its host hits are done (the end is the later)
+    ready: float = 0.0  # when the PCIe loads of its host hits are done
+    start: float = 0.0  # when the batch began (its end: CostModel.batch_s after this)
 
 
 class ReplicaEngine:
@@ -425,7 +460,8 @@ class ReplicaEngine:
         batch = self._admit(self._t)
         if batch:
             compute_end, ready = self._prefill_end(batch, self._t)
-            self._phase = _Prefill(max(compute_end, ready), batch, ready=ready)
+            end = self._batch_end(self._t, compute_end, ready)
+            self._phase = _Prefill(end, batch, ready=ready, start=self._t)
             self.stats["prefill_s"] += self._phase.end - self._t
         elif self._warm and not self._queue and self._start_warm(self._t):
             return
@@ -454,11 +490,12 @@ class ReplicaEngine:
         new_tokens, begun = req.input_tokens - prefix, now - req.prefill_at
         # the chunks begun by `now` (a chunk attends to all before it), after the extra work
         # of approximate reuse, which runs first and whole
-        done_s, done = req.extra_s, 0
+        done_s, done, chunk = req.extra_s, 0, self.cost.chunk
         while done_s < begun and done < new_tokens:
-            chunk = min(PREFILL_CHUNK_TOKENS, new_tokens - done)
-            done_s += self.cost.prefill_s(chunk, prefix + done)
-            done += chunk
+            at = req.offset + done
+            piece = min(chunk - at % chunk, new_tokens - done)
+            done_s += self.cost.prefill_s(piece, prefix + done, at)
+            done += piece
         saved = req.prefill_s - done_s
         if saved <= 1e-12:
             return
@@ -467,8 +504,9 @@ class ReplicaEngine:
                 other.prefill_at -= saved
         req.prefill_s -= saved
         compute_end = max(r.prefill_at + r.prefill_s for r in phase.batch)
-        self.stats["prefill_s"] -= phase.end - max(compute_end, phase.ready)
-        phase.end = max(compute_end, phase.ready)
+        end = self._batch_end(phase.start, compute_end, phase.ready)
+        self.stats["prefill_s"] -= phase.end - end
+        phase.end = end
 
     def _end_prefill(self, phase: _Prefill) -> None:
         self._t = phase.end
@@ -553,14 +591,16 @@ class ReplicaEngine:
         return True
 
     def _prefill_end(self, batch: list[_Request], now: float) -> tuple[float, float]:
-        """When the compute of the new tokens ends (prompt after prompt) and when the PCIe
-        loads of host hits, which it overlaps, are done."""
-        compute = 0.0
-        ready = now
-        for req in batch:
+        """When the compute of the new tokens ends (the forwards' overhead, then prompt
+        after prompt, sharing chunks) and when the PCIe loads of host hits are done."""
+        new = [req.input_tokens - req.dev_hit - req.host_hit for req in batch]
+        compute = self.cost.forwards_s(sum(new))
+        ready, offset = now, 0
+        for req, n in zip(batch, new, strict=True):
             prefix = req.dev_hit + req.host_hit
-            req.prefill_at = now + compute
-            req.prefill_s = self.cost.prefill_s(req.input_tokens - prefix, prefix) + req.extra_s
+            req.prefill_at, req.offset = now + compute, offset
+            req.prefill_s = self.cost.prefill_s(n, prefix, offset) + req.extra_s
+            offset += n
             compute += req.prefill_s
             self.stats["prefill_tokens"] += req.input_tokens - prefix
             self.stats["loaded_tokens"] += req.host_hit
@@ -569,6 +609,11 @@ class ReplicaEngine:
                 self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(req.host_hit)
                 ready = max(ready, self._pcie_free_at)
         return now + compute, ready
+
+    def _batch_end(self, start: float, compute_end: float, ready: float) -> float:
+        """A prefill batch's end: its compute and the loads it waits for, as the preset
+        overlaps them."""
+        return start + self.cost.batch_s(compute_end - start, max(0.0, ready - start))
 
     def _release(self, req: _Request, context: int, now: float) -> None:
         """The request left the batch: unlock its program's KV and back it up to host."""
@@ -636,7 +681,8 @@ class ReplicaEngine:
             node = self.tree.anchor_node(anchor, tokens)
             self.tree.fill(node)
             self.tree.hold(node)
-            end = now + self.cost.prefill_s(tokens - cached, cached)
+            work = self.cost.prefill_s(tokens - cached, cached)
+            end = now + self.cost.forwards_s(tokens - cached) + work
             self.stats["prefill_s"] += end - now
             self.stats["warm_prefill_tokens"] += tokens - cached
             self._phase = _Prefill(end, warm=node)

@@ -8,17 +8,25 @@ derivation so a reader can check (or change) it; efficiencies are estimates, mar
 Derivations:
   kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes
   gpu_kv_tokens      = (HBM x mem_fraction_static - weights) / kv_bytes_per_token
-  prefill_s(n, p)    = (2 x active_params x n + 4 x layers x q_dim x n x (p + n/2))
-                       / (peak_flops x mfu)      # linear layers + causal attention
+  prefill_s(n, p)    = 2 x active_params x n / (peak_flops x mfu)      # linear layers
+                       + 4 x layers x q_dim x pairs / (peak_flops x mfu x attn_eff)
+                       + prefill_overhead_s per forward of chunk_tokens
+                       pairs = n x (p + n/2) + prefix_attention x p^2 / 2 (causal attention)
   decode_step_s      = max(weights read / (hbm_bw x bw_eff), batch x 2 x active_params
                        / (peak_flops x mfu)) + KV read / (hbm_bw x bw_eff)
                        + step overhead + batch x per-request overhead
   load_s(n)          = n x kv_bytes_per_token / pcie_bytes_s
+
+The GPU presets below are spec sheets times estimated efficiencies. A preset measured on a
+live engine (`mori calibrate`, router/calibrate/) is a JSON file read by `get_preset` when
+its name is a path (router/sim/preset_file.py): its device carries the fitted effective
+rates (efficiencies 1) and `sources` says which price was measured where and when.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 GIB = 1024**3
 MIB = 1024**2
@@ -55,6 +63,31 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    @classmethod
+    def from_config(cls, config: dict, name: str) -> ModelSpec:
+        """A dense decoder's shape from its Hugging Face config.json (Llama, Qwen2 and
+        the like): attention and MLP weights per layer, plus the embedding and LM head."""
+        if config.get("num_experts") or config.get("num_local_experts"):
+            raise ValueError(f"{name}: a mixture of experts; describe it as a ModelSpec")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        layers, vocab = config["num_hidden_layers"], config["vocab_size"]
+        attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
+        per_layer = attention + 3 * hidden * config["intermediate_size"]  # gate, up, down
+        tied = config.get("tie_word_embeddings", False)
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        return cls(
+            name=name,
+            total_params=layers * per_layer + vocab * hidden * (1 if tied else 2),
+            active_params=layers * per_layer + vocab * hidden,  # the LM head, not the lookup
+            layers=layers,
+            q_heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype_bytes=4 if "32" in dtype else 2,
+        )
+
     @property
     def weight_bytes(self) -> float:
         return self.total_params * self.dtype_bytes
@@ -77,6 +110,23 @@ class Preset:
     tp_eff: float = 1.0  # estimate: share of TP scaling left after all-reduce traffic
     step_overhead_s: float = 0.002  # estimate: per-iteration scheduling + CUDA-graph launch
     seq_overhead_s: float = 5e-5  # estimate: per running request (sampling, logits, bookkeeping)
+    # Engine terms a calibration showed the FLOP/byte prices alone miss (router/calibrate/);
+    # the defaults are what GPU kernels do, so the GPU presets keep their earlier timing.
+    attn_eff: float = 1.0  # attention's FLOP rate over the linear layers' (FlashAttention ~ GEMM)
+    # Share of a cached prefix's own causal attention that computing new tokens on top of it
+    # recomputes: 0 for FlashInfer / FlashAttention (queries of the new tokens only); 1 for
+    # SGLang's torch_native backend on CPU, whose extend runs SDPA over the whole sequence
+    # with the prefix's queries included (torch_native_backend._run_sdpa_forward_extend).
+    prefix_attention: float = 0.0
+    prefill_overhead_s: float = 0.0  # per prefill forward (scheduling, launch, sampling)
+    # Share of the shorter of (compute, host loads) of a prefill batch that is not hidden under
+    # the longer: 0 when HiCache loads layer by layer under the compute (a GPU's copy engine),
+    # 1 when the copy and the forward take turns on the same cores.
+    load_serial: float = 0.0
+    chunk_tokens: int = 8192  # SGLang's chunked_prefill_size (8192 on 80 GB GPUs)
+    kv_tokens: int | None = None  # the device pool a calibrated engine reported (else derived)
+    # Where each price comes from, ("flops_s", "measured: ..."); empty: the comments here
+    sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -85,6 +135,8 @@ class Preset:
 
     @property
     def gpu_kv_tokens(self) -> int:
+        if self.kv_tokens is not None:
+            return self.kv_tokens
         hbm = self.gpu.hbm_bytes * self.tp * self.mem_fraction_static
         return int((hbm - self.model.weight_bytes) / self.kv_bytes_per_token)
 
@@ -107,7 +159,7 @@ class Preset:
         its pass through the weights: the recompute price per token grows with context
         past it (`router.policy.prices`; the cost model's prefill_s)."""
         m = self.model
-        return 2 * m.active_params / (4 * m.layers * m.q_heads * m.head_dim)
+        return self.attn_eff * 2 * m.active_params / (4 * m.layers * m.q_heads * m.head_dim)
 
     def host_kv_tokens(self, cpu_ratio: float) -> int:
         """MORI's CPU-to-GPU memory ratio: host DRAM budget for KV = ratio x GPU KV budget."""
@@ -224,8 +276,12 @@ PRESETS: dict[str, Preset] = {
 
 
 def get_preset(name: str) -> Preset:
-    """Look a preset up by name; a clear error lists the known ones."""
-    try:
+    """Look a preset up by name, or read a preset file (`mori calibrate --out`) when the
+    name is a path to one; a clear error lists the known ones."""
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+    if name.endswith(".json") or Path(name).is_file():
+        from router.sim.preset_file import read_preset
+
+        return read_preset(name)
+    raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} (or a preset file)")
