@@ -7,6 +7,8 @@
     python bench/real_engine_ab.py --model-shape 512x8     # a model whose misses cost seconds
     python bench/real_engine_ab.py --keep out/ab           # each replay's per-step CSV too
     python bench/real_engine_ab.py --policies "mori,mori[band_waiver_steps=0],smg"  # a knob
+    python bench/real_engine_ab.py --predict --model-shape 512x8 1024x8 \
+        --max-total-tokens 4096 6144 --json out/ab.json    # real beside the simulator's prediction
 
 `smg-gateway` is the real SGLang Model Gateway (`smg` 1.13, its cache-aware policy, installed
 as bench/gateways.py says) in front of the same fresh engine, instead of `mori serve`.
@@ -24,6 +26,11 @@ report), and the mean number of requests running in the engine (SGLang's
 
 On CPU a miss is cheap (the tiny model prefills fast) and an idle engine is not: the
 policy's prices, learned from the engine's own timings, decide how much it gates.
+
+`--predict` first calibrates a fresh engine of each model shape (`mori calibrate`, ~5 min;
+or takes `--preset-file`), then after each budget's runs simulates the same cells with that
+preset and prints real beside predicted (bench/engine_prediction.py); `--json OUT` writes
+`{"cells": [{"device_tokens", "model_shape", "policy", "real", "predicted", ...}]}`.
 """
 
 from __future__ import annotations
@@ -50,12 +57,13 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.engine_prediction import METRICS, compare, predict, sim_config  # noqa: E402
 from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
 TRACE = ROOT / "traces/generated-claude-code-32k.jsonl"
-METRICS = ("output_tok_s", "steps_s", "ttft_mean_s", "ttft_p99_s", "hit_device", "hit_host", "miss")
+HICACHE_RATIO = 2  # host tier = this x the device pool
 
 
 def running_sampler(url: str, stop: threading.Event, out: list[float]) -> None:
@@ -108,12 +116,35 @@ def _stem(policy: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", policy).strip("_")
 
 
+def engine_flags(device_tokens: int) -> list[str]:
+    """The engine every run (and its calibration) gets: the device pool, a host tier."""
+    return [
+        "--max-total-tokens", str(device_tokens), "--hicache-ratio", str(HICACHE_RATIO),
+        "--enable-metrics",
+    ]  # fmt: skip
+
+
+def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, shape: str) -> Path:
+    """`mori calibrate` on a fresh engine like the runs' (its preset file)."""
+    out = work / f"preset-{shape}.json"
+    with patched_servers(1, model, work, engine_flags(budget)) as (engine,):
+        argv = mori("calibrate", "--endpoint", engine.url, "--out", str(out))
+        argv += ["--reps", str(args.calibrate_reps)]
+        done = subprocess.run(argv, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"mori calibrate failed ({done.returncode})")
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        for f in (out, out.with_suffix(".png")):
+            shutil.copy2(f, args.keep / f.name)
+    return out
+
+
 def one_run(
     args: argparse.Namespace, policy: str, model: Path, work: Path, device_tokens: int
 ) -> dict:
     """A fresh engine, a router with `policy`, and the replay; returns the replay's row."""
-    flags = ["--max-total-tokens", str(device_tokens), "--hicache-ratio", "2"]
-    flags += ["--enable-metrics"]
+    flags = engine_flags(device_tokens)
     with patched_servers(1, model, work, flags) as (engine,):
         port = free_port()
         with spawn(router_argv(args, policy, engine.url, port), port):
@@ -165,9 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--model-shape",
-        default="64x2",
-        help="HIDDENxLAYERS of the random-weight model: "
+        nargs="+",
+        default=["64x2"],
+        help="HIDDENxLAYERS of the random-weight model (several: one block each): "
         "512x8 prefills ~1,000 tokens/s on 2 cores, so a miss costs seconds as on a GPU",
+    )
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="calibrate each shape's engine, then print the simulator's prediction beside",
+    )
+    parser.add_argument(
+        "--preset-file", type=Path, help="with --predict: this preset instead of calibrating"
+    )
+    parser.add_argument("--json", type=Path, help="with --predict: write the cells here")
+    parser.add_argument(
+        "--calibrate-reps", type=int, default=1, help="with --predict: the calibration's --reps"
     )
     parser.add_argument("--tick-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -187,13 +231,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no gateway at {args.smg_python}: see bench/gateways.py to install it")
     console = Console(width=120)
     md: list[str] = []
+    cells: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mori-ab-") as tmp:
         work = Path(tmp)
-        hidden, layers = (int(x) for x in args.model_shape.split("x"))
-        model = build_tiny_model(work / "model", hidden, layers)
-        for budget in args.max_total_tokens:
-            rows = runs(args, policies, model, work, budget, console)
-            md += report(args, budget, rows, console)
+        for shape in args.model_shape:
+            hidden, layers = (int(x) for x in shape.split("x"))
+            model = build_tiny_model(work / f"model-{shape}", hidden, layers)
+            preset = args.preset_file
+            if args.predict and preset is None:
+                preset = calibrate(args, model, work, args.max_total_tokens[0], shape)
+            for budget in args.max_total_tokens:
+                rows = runs(args, policies, model, work, budget, console)
+                md += report(args, shape, budget, rows, console)
+                if args.predict:
+                    md += predicted(args, shape, budget, rows, preset, console, cells)
+                    if args.json:
+                        args.json.parent.mkdir(parents=True, exist_ok=True)
+                        args.json.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
     if args.write:
         command = " ".join(["python bench/real_engine_ab.py", *(argv or sys.argv[1:])])
         head = [f"## {date.today().isoformat()} - real SGLang {installed_version()} on CPU", ""]
@@ -218,10 +272,12 @@ def runs(args, policies, model, work, budget, console) -> dict[str, list[dict]]:
     return rows
 
 
-def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> list[str]:
+def report(
+    args, shape: str, budget: int, rows: dict[str, list[dict]], console: Console
+) -> list[str]:
     """The budget's table and mori's ratios (tok/s, TTFT p99, misses) as Markdown lines."""
     title = (
-        f"real SGLang {installed_version()} on CPU, model {args.model_shape}, "
+        f"real SGLang {installed_version()} on CPU, model {shape}, "
         f"{budget} device tokens, {args.runs} runs"
     )
     table = Table(title=title)
@@ -230,7 +286,7 @@ def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> 
     for h in heads:
         table.add_column(h, justify="left" if h == "policy" else "right")
     md = [
-        f"### model {args.model_shape}, {budget} device tokens",
+        f"### model {shape}, {budget} device tokens",
         "",
         "| " + " | ".join(heads) + " |",
     ]
@@ -267,6 +323,28 @@ def report(args, budget: int, rows: dict[str, list[dict]], console: Console) -> 
     for line in ratios:
         console.print(escape(line))
     return [*md, "", *(f"- {r}" for r in ratios), ""]
+
+
+def predicted(
+    args, shape: str, budget: int, rows: dict[str, list[dict]], preset: Path, console, cells
+) -> list[str]:
+    """Simulate the budget's cells with `preset`, print and return real beside predicted,
+    and add the cells to `cells`."""
+    cell = {
+        "concurrency": args.concurrency, "duration_s": args.duration, "seed": args.seed,
+        "token_scale": args.token_scale, "tick_s": args.tick_s, "cpu_ratio": HICACHE_RATIO,
+    }  # fmt: skip
+    configs = {label: sim_config(*variant(label), preset, budget, cell) for label in rows}
+    table, md, found = compare(
+        f"model {shape}, {budget} device tokens", rows, predict(TRACE, configs)
+    )
+    console.print(table)
+    for line in md:
+        if line.startswith("- "):
+            console.print(escape(line[2:]))
+    cells += [{"device_tokens": budget, "model_shape": shape, **c} for c in found]
+    head = f"#### predicted by `mori sim` with {preset.name}: real / predicted (error)"
+    return [head, "", *md]
 
 
 if __name__ == "__main__":

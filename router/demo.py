@@ -37,6 +37,7 @@ from router.replay.records import RunResult
 from router.replay.report import console as report_console
 from router.replay.report import print_results, write_reports
 from router.replay.trace import TraceError, TraceProgram, load_trace
+from router.sim.presets import get_preset, price_summary
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE_CANDIDATES = ("traces/generated-claude-code-32k.jsonl", "traces/generated-claude-code.jsonl")
@@ -81,6 +82,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--host-tokens", type=int, default=32000, help="host (DRAM) KV tokens per replica"
     )
     parser.add_argument("--replicas", type=int, default=2, help="emulated replicas")
+    parser.add_argument(
+        "--preset",
+        default="h100-8b",
+        help="the cost model the emulated replicas run (router/sim/presets.py)",
+    )
+    parser.add_argument(
+        "--preset-file",
+        help="a preset file (`mori calibrate --out`) for the replicas instead of --preset",
+    )
     parser.add_argument("--out", default="out/demo", help="where the JSON/CSV/plots and logs go")
     parser.add_argument(
         "--seed", type=int, default=0, help="corpus order and start jitter of the first run"
@@ -203,6 +213,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _preset_flags(args: argparse.Namespace) -> list[str]:
+    """The emulators' cost model (bench scripts that reuse the stack may not set one)."""
+    if getattr(args, "preset_file", None):
+        return ["--preset-file", args.preset_file]
+    return ["--preset", getattr(args, "preset", "h100-8b")]
+
+
 def start_stack(args: argparse.Namespace, policy: str, stack: Stack) -> str:
     """Replicas with the engine behaviour the policy expects, then the router: its URL."""
     mode = make_policy(policy, PolicyConfig()).engine_mode
@@ -221,6 +238,7 @@ def start_stack(args: argparse.Namespace, policy: str, stack: Stack) -> str:
             str(args.host_tokens),
             "--eviction",
             mode.eviction,
+            *_preset_flags(args),
         ]
         if not mode.host_tier:
             argv.append("--no-host-tier")
@@ -312,6 +330,13 @@ def _introduce(
         f"({args.gpu_tokens} GPU + {args.host_tokens} host KV tokens each), "
         f"{args.concurrency} agent programs from {trace.name} "
         f"(tokens x{config.token_scale:g}), one fresh stack per policy{reps}."
+    )
+    preset = _preset_flags(args)[1]
+    console.print(
+        f"The replicas are not an engine: they run the cost model of preset {preset} "
+        f"(router/sim/model.py, the one `mori sim` runs), so the results show the router "
+        f"carrying out the policy on that model. Its prices: {price_summary(get_preset(preset))}.",
+        highlight=False,
     )
     trace_s = args.duration * args.time_scale
     console.print(

@@ -30,7 +30,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from router.calibrate.fit import NAMES, FitResult, Prices, fit, observed
+from router.calibrate.fit import NAMES, SHARES, FitResult, Prices, fit, observed
 from router.calibrate.probes import Call, Endpoint, Probe, Timing, measure, schedule
 from router.sim.preset_file import write_preset
 from router.sim.presets import GPU, ModelSpec, Preset, get_preset
@@ -237,10 +237,13 @@ def calibrated_preset(
     stamp = f"mori calibrate, {engine} at {endpoint}, {date.today().isoformat()}"
     base_sources = dict(base.sources)
     sources = {}
+    loose = result.undetermined()
     for name in NAMES:
         term = TERMS[name][0]
         held = base_sources.get(term, "estimate: held at the base preset's value")
         sources[term] = f"measured: {stamp}" if name in result.free else held
+        if name in loose:
+            sources[term] += "; not pinned down by the probes (large spread)"
     name = args.name or f"{base.model.name}-{info.get('device', 'engine')}-calibrated"
     device = base.gpu.name if not info.get("emulated") else f"{base.gpu.name} (emulated)"
     return result.prices.preset(base, name, device, sources)
@@ -263,6 +266,8 @@ def fit_record(probes: list[Probe], timings: list[list[Timing]], result: FitResu
     return {
         "prices": asdict(result.prices),
         "fitted": list(result.free),
+        "spread": result.spread,
+        "undetermined": result.undetermined(),
         "residuals": result.residuals(probes),
         "probes": rows,
     }
@@ -307,7 +312,7 @@ def print_fit(
         table.add_row(str(i), probe.kind, probe.label, f"{got:.5f}", f"{fit_:.5f}", error)
     console.print(table)
     prices = Table(title="fitted prices")
-    heads = ["price", "unit", "fitted", "preset term"]
+    heads = ["price", "unit", "fitted", "+-", "preset term"]
     heads += ["emulated preset's", "error"] if truth is not None else []
     for head in heads:
         left = head in ("price", "unit", "preset term")
@@ -315,7 +320,10 @@ def print_fit(
     for name in NAMES:
         value = getattr(result.prices, name)
         term, unit = TERMS[name]
-        cells = [name, unit, f"{value:.4g}" + ("" if name in result.free else " (held)"), term]
+        spread = result.spread.get(name)
+        share = name in SHARES or value == 0
+        err = "" if spread is None else f"{spread:.2g}" if share else f"{100 * spread:.0f}%"
+        cells = [name, unit, f"{value:.4g}" + ("" if name in result.free else " (held)"), err, term]
         if truth is not None:
             true = getattr(truth, name)
             err = f"{100 * (value / true - 1):+.2f}%" if true else f"{value:.2g} abs"

@@ -29,6 +29,9 @@ from router.sim.presets import GPU, Preset
 
 SHARES = ("prefix_attention", "load_serial")  # prices that are shares in [0, 1]
 NOISE_SHARE = 0.25  # see fit(): how short a probe is timed to a relative error
+ROBUST_SCALE = 0.1  # relative errors beyond this count linearly, not squared
+TIMING_NOISE = 0.01  # a probe's relative timing error at best, for the prices' spread
+UNDETERMINED = 0.25  # a fitted price with a larger spread is not pinned down by the probes
 SETUP_GAP_S = 1.0  # model time between a probe's setup and its timed calls (engine idle)
 
 
@@ -113,7 +116,13 @@ class FitResult:
     measured: list[float]  # per probe, `observed`
     fitted: list[float]  # ... and the same in the fitted model
     model: list[list[Timing]]  # every call after the setup as the fitted model times it
-    free: tuple[str, ...]  # the prices the probes determined (the others were held)
+    free: tuple[str, ...]  # the prices fitted (the others were held)
+    # per fitted price, its standard error as a share of it (a share or an overhead near 0:
+    # in its own unit); over UNDETERMINED the probes did not pin it down
+    spread: dict[str, float]
+
+    def undetermined(self) -> list[str]:
+        return [n for n, e in self.spread.items() if e > UNDETERMINED]
 
     def errors(self) -> np.ndarray:
         """Relative error of every probe's fitted quantity."""
@@ -258,12 +267,35 @@ def fit(
         fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
         return (np.asarray(fitted) - measured) / (measured + floor)
 
+    # soft_l1: a probe a busy machine slowed down (a shared box) pulls less than a square
     solution = least_squares(
-        residuals, np.clip(z0, lower, upper), bounds=(lower, upper), diff_step=1e-3, max_nfev=300
-    )
+        residuals, np.clip(z0, lower, upper), bounds=(lower, upper), diff_step=1e-3,
+        max_nfev=300, loss="soft_l1", f_scale=ROBUST_SCALE,
+    )  # fmt: skip
     rows = model_times(solution.x)
     fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
-    return FitResult(unpack(solution.x), list(measured), fitted, rows, free)
+    spread = _spread(solution.jac, solution.fun, solution.x, scale, free)
+    return FitResult(unpack(solution.x), list(measured), fitted, rows, free, spread)
+
+
+def _spread(
+    jac: np.ndarray, res: np.ndarray, z: np.ndarray, scale: np.ndarray, free: tuple[str, ...]
+) -> dict[str, float]:
+    """Each fitted price's standard error from the Jacobian at the solution, the residuals'
+    spread taken as at least TIMING_NOISE (a perfect fit would otherwise claim certainty):
+    a price the probes cannot tell from another (the load rate and the overlap share when
+    every load hides under compute) comes out large."""
+    sigma2 = max(float(np.mean(res**2)), TIMING_NOISE**2)
+    info = jac.T @ jac
+    # not a pseudo-inverse: a direction the probes do not see must come out unbounded
+    ridge = 1e-12 * max(float(np.trace(info)), 1e-300)
+    cov = np.linalg.inv(info + ridge * np.eye(len(z))) * sigma2
+    std = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    out = {}
+    for name, zi, si, sc in zip(free, z, std, scale, strict=True):
+        absolute = name in SHARES or zi * sc < 1e-6 * sc  # near 0: in its own unit
+        out[name] = float(si * sc) if absolute else float(si / zi)
+    return out
 
 
 def _floors(

@@ -44,9 +44,12 @@ from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG, Us
 KINDS = ("prefill", "device-hit", "host-hit", "decode")
 TOKEN_IDS = (16, 500)  # ids of prompt tokens (fits the 512-token vocabulary of the test model)
 # decode probes: (batch, prompt as a share of the span), each prompt cut to what fits 80 %
-# of the pool: iteration time against batch size (1, 8, 64) and context (small, large)
-DECODES = ((1, 1 / 16), (1, 1.0), (8, 1 / 16), (8, 1 / 2), (64, 1 / 64))
-BLOCKER_LEAD_S = 0.01  # wall seconds between a blocker and the calls it holds
+# of the pool: iteration time against batch size (1, 8, 32) and context (small, large)
+DECODES = ((1, 1 / 16), (1, 1.0), (8, 1 / 16), (8, 1 / 2), (32, 1 / 64))
+# wall seconds between a blocker and the calls it holds: this share of the blocker's own
+# time to first token at warm-up, within bounds (long enough for the blocker to reach the
+# engine's forward first, short enough that the calls arrive while it runs)
+LEAD_SHARE, LEAD_S = 0.25, (0.01, 0.5)
 SETTLE_S = 0.1  # pause between probes: the engine finishes its bookkeeping (write-through)
 
 
@@ -156,6 +159,7 @@ class Endpoint:
         self.http = httpx.AsyncClient(timeout=timeout_s)
         self.model = ""
         self.engine_clock = False  # an emulator: times come from its engine clock
+        self.lead_s = LEAD_S[0]  # see LEAD_SHARE (set at warm-up)
         self._epoch = int(time.time() * 1000)
 
     async def close(self) -> None:
@@ -255,7 +259,7 @@ class Endpoint:
         bodies = [self.body(c) for c in probe.sent]
         t0 = time.perf_counter()
         blocker = asyncio.create_task(self.call(probe.blocker, t0, bodies[0]))
-        await asyncio.sleep(BLOCKER_LEAD_S)  # its request reaches the engine first
+        await asyncio.sleep(self.lead_s)  # its request reaches the engine's forward first
         calls = await asyncio.gather(
             *(self.call(c, t0, b) for c, b in zip(probe.calls, bodies[1:], strict=True))
         )
@@ -278,6 +282,12 @@ async def measure(
     warm = Call("cal-warmup", 64, 8)
     for _ in range(2):  # first forwards pay one-off costs (allocator, kernels)
         await endpoint.call(warm, time.perf_counter())
+    blocker = probes[0].blocker
+    waits = [
+        (await endpoint.call(Call(f"cal-lead-{i}", blocker.tokens), time.perf_counter())).ttft
+        for i in range(2)
+    ]
+    endpoint.lead_s = min(max(LEAD_SHARE * min(waits), LEAD_S[0]), LEAD_S[1])
     out = []
     for i, probe in enumerate(probes):
         await asyncio.sleep(SETTLE_S)

@@ -21,7 +21,7 @@ from router.policy import PolicyConfig, policy_names
 from router.replay.records import RunResult
 from router.replay.trace import TraceError, TraceProgram, load_trace
 from router.sim.approx import ApproxReuse
-from router.sim.presets import PRESETS
+from router.sim.presets import PRESETS, get_preset, price_summary
 from router.sim.simulator import SimConfig, simulate
 
 
@@ -107,6 +107,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="scenario YAML (configs/sim/*.yaml)")
     parser.add_argument("--trace", help="trace JSONL corpus (default: the scenario's 'trace')")
     parser.add_argument(
+        "--preset-file",
+        help="a preset file (`mori calibrate --out`) instead of the scenario's preset",
+    )
+    parser.add_argument(
         "--policies",
         type=_policies,
         help="comma list, e.g. mori,ta+o,ta,smg (default: the scenario's, else mori,ta+o,ta,smg)",
@@ -172,6 +176,8 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
     for key in ("replicas", "seed", "trace", "policies", "concurrency", "cpu_ratio", "gpu_tokens"):
         if getattr(args, key) is not None:
             setattr(sc, key, getattr(args, key))
+    if getattr(args, "preset_file", None):
+        sc.preset = args.preset_file
     if args.window is not None:
         sc.policy = {**sc.policy, "window": args.window}
     sc.policy = {**sc.policy, **dict(args.settings)}
@@ -241,6 +247,9 @@ def run(args) -> int:
     except (ValueError, TraceError) as e:
         console.print(f"[red]mori sim: {e}[/red]")
         return 2
+    console.print(
+        f"cost model of {sc.preset}: {price_summary(get_preset(sc.preset))}", highlight=False
+    )
     title = f"{sc.preset} x{sc.replicas}, {Path(sc.trace).name}, {sc.duration_s:g} s"
     if sc.gpu_tokens:
         title += f", GPU KV {sc.gpu_tokens:,} tokens"

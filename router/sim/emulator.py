@@ -38,7 +38,7 @@ from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG
 from router.replay import prompts
 from router.sim import anthropic
 from router.sim import model as cost_model
-from router.sim.presets import PRESETS, get_preset
+from router.sim.presets import PRESETS, get_preset, price_summary
 from router.wire.errors import ApiError
 
 log = logging.getLogger("mori.emulate")
@@ -703,6 +703,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         help="hardware x model cost model",
     )
+    parser.add_argument(
+        "--preset-file",
+        help="a preset file (`mori calibrate --out`) instead of a named preset",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on")
     parser.add_argument(
@@ -740,7 +744,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def build_replica(args: argparse.Namespace) -> EmulatedReplica:
     """The engine and the server info an argparse namespace describes (errors: ValueError)."""
-    preset = get_preset(args.preset)
+    preset = get_preset(args.preset_file or args.preset)
     if args.time_scale <= 0:
         raise ValueError("--time-scale must be > 0")
     gpu = args.gpu_tokens if args.gpu_tokens is not None else preset.gpu_kv_tokens
@@ -759,7 +763,8 @@ def build_replica(args: argparse.Namespace) -> EmulatedReplica:
         "hicache_host_tokens": host,
         "enable_hierarchical_cache": host > 0,
         "emulated": True,
-        "preset": preset.name,
+        "preset": args.preset_file or preset.name,
+        "prices": price_summary(preset),
         "eviction": args.eviction,
         "time_scale": args.time_scale,
         "mori_hints": True,
@@ -779,7 +784,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"mori emulate: {replica.info['preset']} on http://{args.host}:{args.port} "
         f"(gpu {replica.info['max_total_num_tokens']} tokens, host "
-        f"{replica.info['hicache_host_tokens']}, x{args.time_scale} time)",
+        f"{replica.info['hicache_host_tokens']}, x{args.time_scale} time); the replica runs "
+        f"this preset's cost model: {replica.info['prices']}",
         flush=True,
     )
     uvicorn.run(create_app(replica), host=args.host, port=args.port, log_level=args.log_level)

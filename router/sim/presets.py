@@ -161,6 +161,23 @@ class Preset:
         m = self.model
         return self.attn_eff * 2 * m.active_params / (4 * m.layers * m.q_heads * m.head_dim)
 
+    def provenance(self) -> dict[str, str]:
+        """Where each price comes from: a calibrated preset says which it measured (and
+        where, when); a spec-sheet preset's efficiencies and overheads are estimates."""
+        kernels = "estimate: what GPU attention kernels and HiCache's layer-wise loads do"
+        derived = {
+            "flops_s": f"estimate: {self.mfu:.0%} of the data sheet's BF16 peak",
+            "bytes_s": f"estimate: {self.bw_eff:.0%} of the data sheet's memory bandwidth",
+            "pcie_bytes_s": self.gpu.pcie_source,
+            "step_overhead_s": "estimate",
+            "seq_overhead_s": "estimate",
+            "attn_eff": kernels,
+            "prefix_attention": kernels,
+            "prefill_overhead_s": kernels,
+            "load_serial": kernels,
+        }
+        return derived | dict(self.sources)
+
     def host_kv_tokens(self, cpu_ratio: float) -> int:
         """MORI's CPU-to-GPU memory ratio: host DRAM budget for KV = ratio x GPU KV budget."""
         return int(cpu_ratio * self.gpu_kv_tokens)
@@ -273,6 +290,21 @@ PRESETS: dict[str, Preset] = {
     "a100-qwen7b": Preset("a100-qwen7b", A100_80GB, QWEN25_7B),
     "a100-qwen14b": Preset("a100-qwen14b", A100_80GB, QWEN25_14B),
 }
+
+
+def price_summary(preset: Preset) -> str:
+    """One sentence for a reader of results: which of the preset's prices were measured
+    (where, when) and which are estimates."""
+    measured: dict[str, list[str]] = {}
+    estimated = []
+    for term, source in preset.provenance().items():
+        if source.startswith("measured"):
+            measured.setdefault(source.removeprefix("measured: "), []).append(term)
+        else:
+            estimated.append(term)
+    said = [f"{', '.join(terms)} measured ({where})" for where, terms in measured.items()]
+    said.append(f"{', '.join(estimated)} estimated" if estimated else "nothing estimated")
+    return "; ".join(said if measured else ["no price measured", *said])
 
 
 def get_preset(name: str) -> Preset:

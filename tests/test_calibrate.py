@@ -1,0 +1,163 @@
+"""`mori calibrate` against `mori emulate`: the fit gives back the emulated preset's prices
+(the self-check: the emulator runs the cost model, so this tests the probes and the fitter),
+and the preset file it writes drives `mori sim` and `mori emulate`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.calibrate.fit import NAMES, Prices, fit, replay
+from router.calibrate.probes import Timing, schedule
+from router.sim.preset_file import read_preset
+from router.sim.presets import get_preset
+from tests.servers import free_port, mori, spawn
+
+SELF_CHECK = 0.05  # every fitted price within 5 % of the emulated preset's
+ZERO_SHARE = 0.01  # a share the preset sets to 0 (prefix attention, load serial) fits below this
+ZERO_S = 1e-4  # ... and an overhead it sets to 0, below 0.1 ms
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`mori calibrate` of an emulated H100 + 8B replica (x4 time, a small schedule)."""
+    out = tmp_path_factory.mktemp("calibrate") / "h100.json"
+    port = free_port()
+    argv = mori("emulate", "--port", str(port), "--preset", "h100-8b", "--time-scale", "4")
+    with spawn(argv, port):
+        done = subprocess.run(
+            mori(
+                "calibrate", "--endpoint", f"http://127.0.0.1:{port}", "--out", str(out),
+                "--reps", "1", "--span", "8192",
+            ),
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, done.stdout
+
+
+def assert_recovered(fitted: Prices, true: Prices) -> None:
+    for name in NAMES:
+        got, want = getattr(fitted, name), getattr(true, name)
+        if want:
+            assert abs(got / want - 1) <= SELF_CHECK, (name, got, want)
+        else:
+            assert got <= (ZERO_SHARE if name in ("prefix_attention", "load_serial") else ZERO_S), (
+                name,
+                got,
+            )
+
+
+def test_self_check_recovers_the_emulated_presets_prices(calibrated) -> None:
+    out, stdout = calibrated
+    assert_recovered(Prices.of(read_preset(out)), Prices.of(get_preset("h100-8b")))
+    assert "fitted prices" in stdout and "emulated" in stdout  # the tables were printed
+
+
+def test_preset_file_says_what_was_measured_where_and_how_well(calibrated) -> None:
+    out, _ = calibrated
+    doc = json.loads(out.read_text())
+    assert doc["date"] and doc["engine"]["server_info"]["emulated"] is True
+    assert all(v.startswith("measured: mori calibrate") for v in doc["sources"].values())
+    kinds = {row["probe"]["kind"] for row in doc["fit"]["probes"]}
+    assert kinds == {"prefill", "device-hit", "host-hit", "decode"}
+    assert doc["fit"]["residuals"]["all_rms"] < 0.01  # the emulator's engine clock: exact
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    for row in doc["fit"]["probes"]:  # the hit probes hit the tier they meant to
+        tier = {"device-hit": "cached_device", "host-hit": "cached_host"}.get(row["probe"]["kind"])
+        assert tier is None or row["timings"][1][tier] == row["probe"]["setup"][0]["tokens"]
+
+
+def test_refit_gives_the_same_preset_from_the_record(calibrated, tmp_path: Path) -> None:
+    out, _ = calibrated
+    again = tmp_path / "again.json"
+    done = subprocess.run(
+        mori("calibrate", "--refit", str(out), "--out", str(again)),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert_recovered(Prices.of(read_preset(again)), Prices.of(read_preset(out)))
+
+
+def test_sim_and_emulate_take_the_preset_file(calibrated, tmp_path: Path) -> None:
+    out, _ = calibrated
+    sim = subprocess.run(
+        mori(
+            "sim", "configs/sim/h100-8b.yaml", "--preset-file", str(out),
+            "--trace", "traces/generated-claude-code-32k.jsonl", "--policies", "smg",
+            "--concurrency", "4", "--cpu-ratio", "1", "--duration", "60", "--jobs", "1",
+            "--gpu-tokens", "60000",
+        ),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stdout[-2000:] + sim.stderr[-2000:]
+    assert "measured (mori calibrate" in " ".join(sim.stdout.split())
+    port = free_port()
+    argv = mori("emulate", "--port", str(port), "--preset-file", str(out), "--gpu-tokens", "5000")
+    with spawn(argv, port):
+        info = httpx.get(f"http://127.0.0.1:{port}/get_server_info").json()
+    assert info["preset"] == str(out) and "measured" in info["prices"]
+
+
+def test_calibrate_refuses_a_dead_endpoint_in_one_line(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        mori("calibrate", "--endpoint", dead, "--out", str(tmp_path / "x.json")),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "mori calibrate:" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def cpu_like(pcie_bytes_s: float):
+    """An engine unlike the GPU presets: torch SDPA recomputes the cached prefix's
+    attention, the host copy takes turns with the forward, each forward has an overhead,
+    attention is dear; 6,144 device tokens in chunks of 4,096."""
+    h100 = get_preset("h100-8b")
+    return dataclasses.replace(
+        h100,
+        gpu=dataclasses.replace(h100.gpu, pcie_bytes_s=pcie_bytes_s),
+        attn_eff=0.1,
+        prefix_attention=1.0,
+        load_serial=1.0,
+        prefill_overhead_s=0.02,
+        chunk_tokens=4096,
+        kv_tokens=6144,
+    )
+
+
+def fit_own_timings(engine):
+    """Fit the timings `engine`'s own model gives the schedule (from a start the probes
+    alone set; the base preset only lends the model's shape, chunk size and pool)."""
+    probes = schedule(4608, 6144, reps=1, decode_tokens=16)
+    sent = []
+    for p in probes:
+        prefix = p.setup[0].tokens if p.setup else 0
+        hit = (0, prefix) if p.idle else (prefix, 0)
+        sent.append(
+            [Timing(0.0, 0, 0, p.blocker.tokens, 1, 0, 0)]
+            + [Timing(0.001, 0, 0, c.tokens, c.output, *hit) for c in p.calls]
+        )
+    measured = replay(probes, sent, engine, 2 * 6144)
+    base = dataclasses.replace(get_preset("h100-8b"), chunk_tokens=4096, kv_tokens=6144)
+    return fit(probes, measured, base, 2 * 6144)
+
+
+def test_fitter_recovers_the_engine_terms_gpu_kernels_lack() -> None:
+    engine = cpu_like(3.3e9)  # slow enough that a long prefix's load outlasts its compute
+    result = fit_own_timings(engine)
+    assert_recovered(result.prices, Prices.of(engine))
+    assert "load_s" not in result.undetermined()
+
+
+def test_fitter_says_when_the_probes_cannot_pin_a_price_down() -> None:
+    """With every host load shorter than its compute, a batch takes compute + share x load:
+    the load rate and the overlap share trade off, and the fit must say so."""
+    result = fit_own_timings(cpu_like(50e9))
+    assert {"load_s", "load_serial"} <= set(result.undetermined())

@@ -1,0 +1,59 @@
+"""`mori calibrate` against the real engine: SGLang on CPU with the MORI patch (the tests'
+random-weight model). It times the whole schedule (prefills, device hits, host hits after
+an idle hint, decode batches), fits, and writes a preset file that reports its residuals
+and what the engine said it cached; `mori sim` runs on that preset."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+from router.sim.preset_file import read_preset
+from tests.servers import mori
+from tests.sglang.server import REAL_ENGINE, installed_version, tiny_engine
+
+pytestmark = REAL_ENGINE
+
+FLAGS = ["--max-total-tokens", "2048", "--hicache-ratio", "2"]
+
+
+def test_calibrate_times_the_real_engine_and_writes_a_preset(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    with tiny_engine(tmp_path, FLAGS) as server:
+        done = subprocess.run(
+            mori(
+                "calibrate", "--endpoint", server.url, "--out", str(out), "--reps", "1",
+                "--decode-tokens", "8",
+            ),
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:] + server.log_tail()
+    doc = json.loads(out.read_text())
+    assert doc["engine"]["server_info"]["version"] == installed_version()
+    assert doc["preset"]["chunk_tokens"] == doc["engine"]["server_info"]["chunked_prefill_size"]
+    residuals = doc["fit"]["residuals"]
+    assert {"all_rms", "prefill_rms", "device-hit_rms", "host-hit_rms", "decode_rms"} <= set(
+        residuals
+    )
+    assert all(math.isfinite(v) for v in residuals.values())
+    assert set(doc["fit"]["spread"]) == set(doc["fit"]["prices"])
+    for row in doc["fit"]["probes"]:  # the engine's own report: each hit probe hit its tier
+        probe, call = row["probe"], row["timings"][1]
+        if probe["kind"] == "device-hit":
+            assert call["cached_device"] >= probe["setup"][0]["tokens"] - 1, row
+        elif probe["kind"] == "host-hit":
+            assert call["cached_host"] > 0, row
+    preset = read_preset(out)
+    assert preset.gpu_kv_tokens == 2048 and preset.flops_s > 0
+    sim = subprocess.run(
+        mori(
+            "sim", "configs/sim/h100-8b.yaml", "--preset-file", str(out), "--trace",
+            "traces/generated-claude-code-32k.jsonl", "--token-scale", "0.05", "--policies",
+            "smg", "--concurrency", "4", "--cpu-ratio", "2", "--duration", "60",
+            "--gpu-tokens", "2048", "--jobs", "1",
+        ),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stdout[-2000:] + sim.stderr[-2000:]
