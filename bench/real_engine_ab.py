@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.engine_prediction import METRICS, compare, predict, sim_config  # noqa: E402
 from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
+from bench.machine_load import OthersCPU, wait_quiet  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
@@ -127,12 +128,15 @@ def engine_flags(device_tokens: int) -> list[str]:
 def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, shape: str) -> Path:
     """`mori calibrate` on a fresh engine like the runs' (its preset file)."""
     out = work / f"preset-{shape}.json"
+    wait_quiet(args.quiet_wait)
+    others = OthersCPU()
     with patched_servers(1, model, work, engine_flags(budget)) as (engine,):
         argv = mori("calibrate", "--endpoint", engine.url, "--out", str(out))
         argv += ["--reps", str(args.calibrate_reps)]
         done = subprocess.run(argv, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"mori calibrate failed ({done.returncode})")
+    print(f"calibration of {shape}: others kept {others.cores():.2f} cores busy meanwhile")
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
         for f in (out, out.with_suffix(".png")):
@@ -213,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--calibrate-reps", type=int, default=1, help="with --predict: the calibration's --reps"
     )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        help="before each run, wait up to this many seconds for the rest of the machine to "
+        "fall under 20 %% busy (bench/machine_load.py)",
+    )
     parser.add_argument("--tick-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smg-python", type=Path, default=SMG_PYTHON)
@@ -262,12 +273,15 @@ def runs(args, policies, model, work, budget, console) -> dict[str, list[dict]]:
     rows: dict[str, list[dict]] = {p: [] for p in policies}
     for run in range(args.runs):
         for policy in policies:
-            started, load = time.monotonic(), os.getloadavg()[0]
+            wait_quiet(args.quiet_wait, say=console.print)
+            started, load, others = time.monotonic(), os.getloadavg()[0], OthersCPU()
             row = one_run(args, policy, model, work, budget) | {"load": load}
+            row["others"] = others.cores()
             rows[policy].append(row)
             console.print(
                 f"{budget} tokens, run {run + 1} {escape(policy)}: {row['output_tok_s']:.1f} tok/s "
-                f"({time.monotonic() - started:.0f} s, load {load:.1f})"
+                f"({time.monotonic() - started:.0f} s, load {load:.1f}, others "
+                f"{row['others']:.2f} cores)"
             )
     return rows
 
@@ -282,7 +296,7 @@ def report(
     )
     table = Table(title=title)
     heads = ["policy", "out tok/s", "steps/s (failed)", "TTFT mean / p99 s"]
-    heads += ["device / host / miss %", "running", "load"]
+    heads += ["device / host / miss %", "running", "load", "others"]
     for h in heads:
         table.add_column(h, justify="left" if h == "policy" else "right")
     md = [
@@ -302,6 +316,7 @@ def report(
             ),
             f"{statistics.fmean(r['running_mean'] for r in results):.2f}",
             ", ".join(f"{r['load']:.1f}" for r in results),
+            ", ".join(f"{r['others']:.2f}" for r in results),
         ]
         table.add_row(escape(policy), *cells)
         md.append("| " + " | ".join([policy, *cells]) + " |")
