@@ -2,8 +2,9 @@
 
 On the 2-vCPU box the real-engine runs share, another session's tests or simulations (even
 niced) slow SGLang's CPU forward several-fold. `wait_quiet` holds a run back until the
-machine is idle enough; `OthersCPU` measures the CPU time processes outside this one's
-process tree used during a run, so a run taken beside other work is marked in its table.
+machine is idle enough; `CpuSplit` measures the CPU each part of a run (the engine's
+processes, the router, the replay client) and everything outside this process tree used,
+so a run taken beside other work is marked in its table and the stack's own share is known.
 Linux /proc only.
 """
 
@@ -58,15 +59,36 @@ def _ticks() -> dict[int, tuple[int, int]]:
     return out
 
 
-class OthersCPU:
-    """CPU seconds used by processes outside this process's tree between start and stop."""
+# a process of a real-engine run -> its part (first match in its command line or name)
+PARTS = (
+    ("sglang::scheduler", "engine scheduler"),
+    ("sglang::detokenizer", "engine detokenizer"),
+    ("engine_patches.launch", "engine HTTP + tokenizer"),
+    ("router.plane.worker", "router worker"),
+    ("router.cli serve", "router"),
+    ("router.cli replay", "replay client"),
+)
+
+
+def _part(pid: int) -> str:
+    try:
+        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        text += " " + Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "other"
+    return next((name for key, name in PARTS if key in text), "other")
+
+
+class CpuSplit:
+    """CPU used between start and now, per part of this process's tree (the engine's
+    processes, the router, the replay client) and by everything outside it."""
 
     def __init__(self) -> None:
         self._start = _ticks()
         self._t0 = time.monotonic()
 
-    def cores(self) -> float:
-        """Mean CPUs the others kept busy since the start."""
+    def cores(self) -> dict[str, float]:
+        """Mean CPUs each part kept busy since the start ("others": outside the tree)."""
         now = _ticks()
         mine = {os.getpid()}
         grew = True
@@ -74,9 +96,10 @@ class OthersCPU:
             before = len(mine)
             mine |= {pid for pid, (ppid, _) in now.items() if ppid in mine}
             grew = len(mine) > before
-        used = sum(
-            ticks - self._start.get(pid, (0, 0))[1]
-            for pid, (_, ticks) in now.items()
-            if pid not in mine
-        )
-        return used * TICK_S / max(1e-9, time.monotonic() - self._t0)
+        wall = max(1e-9, time.monotonic() - self._t0)
+        out: dict[str, float] = {}
+        for pid, (_, ticks) in now.items():
+            used = (ticks - self._start.get(pid, (0, 0))[1]) * TICK_S / wall
+            part = _part(pid) if pid in mine else "others"
+            out[part] = out.get(part, 0.0) + used
+        return out

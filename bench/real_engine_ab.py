@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.engine_prediction import METRICS, compare, predict, sim_config  # noqa: E402
 from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
-from bench.machine_load import OthersCPU, wait_quiet  # noqa: E402
+from bench.machine_load import CpuSplit, wait_quiet  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
@@ -129,14 +129,15 @@ def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, sh
     """`mori calibrate` on a fresh engine like the runs' (its preset file)."""
     out = work / f"preset-{shape}.json"
     wait_quiet(args.quiet_wait)
-    others = OthersCPU()
+    split = CpuSplit()
     with patched_servers(1, model, work, engine_flags(budget)) as (engine,):
         argv = mori("calibrate", "--endpoint", engine.url, "--out", str(out))
         argv += ["--reps", str(args.calibrate_reps)]
         done = subprocess.run(argv, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"mori calibrate failed ({done.returncode})")
-    print(f"calibration of {shape}: others kept {others.cores():.2f} cores busy meanwhile")
+    used = ", ".join(f"{k} {v:.2f}" for k, v in split.cores().items())
+    print(f"calibration of {shape}, cores used meanwhile: {used}")
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
         for f in (out, out.with_suffix(".png")):
@@ -149,6 +150,7 @@ def one_run(
 ) -> dict:
     """A fresh engine, a router with `policy`, and the replay; returns the replay's row."""
     flags = engine_flags(device_tokens)
+    split = CpuSplit()
     with patched_servers(1, model, work, flags) as (engine,):
         port = free_port()
         with spawn(router_argv(args, policy, engine.url, port), port):
@@ -174,6 +176,7 @@ def one_run(
             finally:
                 stop.set()
                 sampler.join()
+                cpu = split.cores()  # before the stack stops
     row = json.loads(out.read_text())["results"][0]
     if args.keep is not None:  # the replay's JSON, CSV and per-step CSV, for the tail's why
         kept = args.keep / f"{device_tokens}-{_stem(policy)}-{time.strftime('%H%M%S')}"
@@ -181,10 +184,14 @@ def one_run(
         for f in work.glob(f"{_stem(policy)}.*"):
             if f.is_file():
                 shutil.copy2(f, kept / f.name)
+        shutil.copy2(engine.log, kept / "engine.log")
+        (kept / "cpu.json").write_text(json.dumps(cpu, indent=1))
     return {
         **{m: row[m] for m in METRICS},
         "failed_steps": row.get("failed_steps", 0),  # refused or broken steps: not counted
         "running_mean": statistics.fmean(samples) if samples else 0.0,
+        "others": cpu.get("others", 0.0),
+        "cpu": cpu,  # cores per part of the stack over the run
     }
 
 
@@ -274,9 +281,8 @@ def runs(args, policies, model, work, budget, console) -> dict[str, list[dict]]:
     for run in range(args.runs):
         for policy in policies:
             wait_quiet(args.quiet_wait, say=console.print)
-            started, load, others = time.monotonic(), os.getloadavg()[0], OthersCPU()
+            started, load = time.monotonic(), os.getloadavg()[0]
             row = one_run(args, policy, model, work, budget) | {"load": load}
-            row["others"] = others.cores()
             rows[policy].append(row)
             console.print(
                 f"{budget} tokens, run {run + 1} {escape(policy)}: {row['output_tok_s']:.1f} tok/s "
