@@ -16,10 +16,10 @@ LOAD = 0.001  # s per token one way: 600 tokens load in 0.6 s
 
 
 def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> MoriPolicy:
-    """The predictive moves alone: mori's priced displacement and aging are switched off
-    (their rules have their own tests), so each move here is a prediction's."""
+    """The predictive moves alone: mori's priced displacement, aging and overload rules are
+    switched off (their rules have their own tests), so each move here is a prediction's."""
     cfg = {"load_s_per_token": LOAD, "predict_lead_s": 0.5, "predict_grace_s": 2.0} | cfg
-    cfg = {"displace_margin": 1e9, "aging_s": 0.0} | cfg
+    cfg = {"displace_margin": 1e9, "aging_s": 0.0, "max_step_wait_s": 0.0} | cfg
     policy = make_policy("mori", PolicyConfig(**cfg))
     assert isinstance(policy, MoriPolicy)
     for i in range(replicas):

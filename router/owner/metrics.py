@@ -23,6 +23,7 @@ from router.policy.types import Move, Placement, Tier
 from router.protocol.accounting import Usage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+START_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)  # a start may wait long
 FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
 # connect: a connection to it failed; failed: a request failed at the transport level and
 # the health probe failed; failures: `outlier_failures` requests in a row failed that way;
@@ -99,6 +100,26 @@ class RouterMetrics:
             "arrival at the router to first token",
             ["replica"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_ttft = Histogram(
+            "mori_step_ttft_seconds",
+            "TTFT of the attempt served, by kind of step: 'inflight' (a program that has run a "
+            "step: the wait bound's), 'start' (its first step)",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.start_wait = Histogram(
+            "mori_start_wait_seconds",
+            "a program's first attempt to its first token (the door's wait and refusals in)",
+            buckets=START_BUCKETS,
+            registry=r,
+        )
+        self.starts_deferred = Counter(
+            "mori_starts_deferred",
+            "starts answered 429 + Retry-After at the door (not expected in within the gate "
+            "timeout)",
             registry=r,
         )
         self.latency = Histogram(
@@ -203,7 +224,9 @@ class RouterMetrics:
         self.hint_unsupported.labels(replica)
         for reason in EJECTION_REASONS:
             self.ejections.labels(replica, reason)
-        for outcome in ("ok", "error", "timeout", "ended", "client_disconnect", "retried"):
+        for outcome in (
+            "ok", "error", "timeout", "ended", "client_disconnect", "retried", "deferred"
+        ):  # fmt: skip
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
             family.labels(replica)

@@ -77,6 +77,17 @@ class PolicyConfig:
     # band where GPU programs in tool calls expected to stay away a step would absorb the
     # overflow (docs/policy.md "The growth band gives way"; 0: the band always holds)
     band_waiver_steps: int = 8
+    # mori: the wait bound of a program in flight (served once): its held step goes ahead of
+    # everything once it has waited half of this, taking room from programs in tool calls
+    # or holding its replica's room for it; starts wait at the door meanwhile
+    # (router.policy.door, docs/policy.md "Overload"; 0: off, and starts are not gated)
+    max_step_wait_s: float = 60.0
+    # mori: the door lets a start in while the programs in flight on its replica keep less
+    # than this share of its GPU room busy (context x share of time reasoning, summed)
+    door_load: float = 1.0
+    # the shell's gate timeout: a held request is answered 503 after this long; the door
+    # refuses a start it does not expect to let in before then, at once
+    gate_timeout_s: float = 300.0
     # mori+space (Tokencake §5): critical agent types and their reserved GPU room
     critical_ratio: float = 0.3  # share of the live agent types that are critical
     # static priority (depth x out-degree) weight; the dynamic term of a request waiting
@@ -211,6 +222,17 @@ class Policy(ABC):
         self._held.pop(program_id, None)  # re-queue at the back: arrival order is FIFO order
         self._held[program_id] = p
         return self._admit(p, now)
+
+    def first_asked_s(self, program_id: str) -> float | None:
+        """When a program that has not run a step yet first asked to (a start's wait counts
+        from there, across the attempts it was told to repeat); None once it has run one."""
+        p = self.programs.get(program_id)
+        return p.created_s if p is not None and p.steps == 0 else None
+
+    def refusal(self, program_id: str) -> float | None:
+        """Seconds after which a held request should come back, if the policy refuses it
+        now (the shell cancels it and answers 429 with Retry-After); None: it waits."""
+        return None
 
     def route(self, program_id: str) -> str | None:
         """The replica to forward to, or None while the gate must hold the request."""
@@ -391,6 +413,11 @@ class Policy(ABC):
         return dst if self.tiers.fits(dst, p.context_tokens) else WAITING
 
     def _held_programs(self) -> list[Program]:
+        """The held requests the policy's passes rank (a hook: `mori` leaves the starts
+        waiting at its door to the door); every held request by default."""
+        return self._every_held()
+
+    def _every_held(self) -> list[Program]:
         """Programs whose request waits at the gate, oldest arrival first.
 
         The index is cleaned lazily (released, cancelled and ended entries drop out

@@ -256,7 +256,7 @@ class SpaceScheduler(PricedPolicy):
             return []
         held = [
             p
-            for p in self._held_programs()
+            for p in self._every_held()  # starts at mori's door too: the room is theirs
             if p.placement.tier is not Tier.GPU
             and self.graphs.agent_type(p.program_id) in self.critical
         ]

@@ -106,6 +106,8 @@ def replay_with_progress(
             text = f"{p.steps} steps, {p.output_tokens / trace_s:.0f} out tok/s"
             if p.failed:
                 text += f", [red]{p.failed} failed[/red]"
+            if p.deferred:
+                text += f", {p.deferred} starts deferred"
             bar.update(task, completed=fraction, stats=text)
 
         result = asyncio.run(run.run(tick))

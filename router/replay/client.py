@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -32,9 +33,11 @@ from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
+from router.replay.retries import START_DEFERRED, ClientRetries, retried, retry_after_s
 from router.replay.trace import TraceProgram, TraceStep
 
 UTIL_SAMPLE_S = 1.0  # wall seconds between GPU-utilisation samples
+RETRIES = ClientRetries()  # the SDKs' defaults (the SDK's own retries are off: max_retries=0)
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,31 @@ class _Instance:
 
 
 @dataclass
+class _Tries:
+    """One step's attempts: when it first asked, how often it was retried or deferred."""
+
+    first_arrival: float
+    first: bool  # the program's first step (a start)
+    retries: int = 0
+    refusals: int = 0
+
+    def fields(self) -> dict:
+        """The StepRecord fields they fill."""
+        return {
+            "first": self.first,
+            "first_arrival_s": self.first_arrival,
+            "retries": self.retries,
+            "refusals": self.refusals,
+        }
+
+
+@dataclass
 class Progress:
     """Running totals a progress bar can show."""
 
     steps: int = 0
     failed: int = 0
+    deferred: int = 0  # starts told to come back (they do: not failures)
     output_tokens: int = 0
     programs_done: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -121,6 +144,7 @@ class Replay:
         self.config = config
         self.corpus = ClosedLoopCorpus(corpus, config.token_scale, config.seed)
         self.rng = self.corpus.rng
+        self._retry_rng = random.Random(f"retries-{config.seed}")  # the corpus' stream stays
         self.run_tag = uuid.uuid4().hex[:6]  # program ids never collide with an earlier run
         self.records: list[StepRecord] = []
         self.progress = Progress()
@@ -196,7 +220,6 @@ class Replay:
             "duration_s": trace_duration,
             "wall_s": self._wall,
             "seed": cfg.seed,
-            "failed_steps": sum(not r.ok for r in self.records),
         }
         return summarize(
             self.records,
@@ -324,34 +347,43 @@ class Replay:
             await self.http.post(url, json=body or {}, headers=headers, timeout=5.0)
 
     async def _step(self, me: _Instance, step: TraceStep, messages: list[dict]) -> str:
-        """Send one step, stream the answer, record it; returns the answer's text."""
+        """Send one step as the SDKs would (`router.replay.retries`: a start told to come
+        back comes back, any other error is retried twice), stream the answer, record it;
+        returns the answer's text."""
         pid = me.pid
-        arrival = self.now()
-        first: float | None = None
-        parts: list[str] = []
-        usage = Usage()
-        replica = None
-        try:
-            raw = await self.api.chat.completions.with_raw_response.create(
-                model=self.model,
-                messages=messages,
-                max_tokens=max(1, step.output_tokens),
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
-                extra_headers={**me.headers, **self._round(me, step)},
-            )
-            replica = raw.headers.get("x-mori-replica")
-            async for chunk in raw.parse():
-                if chunk.choices and chunk.choices[0].delta.content:
-                    if first is None:
-                        first = self.now()
-                    parts.append(chunk.choices[0].delta.content)
-                if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
-                    openai_usage(chunk.to_dict(), usage)
-        except (openai.OpenAIError, httpx.HTTPError) as e:
-            self._fail(pid, step, arrival, replica, e)
-            return "".join(parts)
+        tries = _Tries(self.now(), first=step is me.program.steps[0])
+        while True:
+            arrival = self.now()
+            first: float | None = None
+            parts: list[str] = []
+            usage = Usage()
+            replica = None
+            try:
+                raw = await self.api.chat.completions.with_raw_response.create(
+                    model=self.model,
+                    messages=messages,
+                    max_tokens=max(1, step.output_tokens),
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
+                    extra_headers={**me.headers, **self._round(me, step)},
+                )
+                replica = raw.headers.get("x-mori-replica")
+                async for chunk in raw.parse():
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if first is None:
+                            first = self.now()
+                        parts.append(chunk.choices[0].delta.content)
+                    if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
+                        openai_usage(chunk.to_dict(), usage)
+            except (openai.OpenAIError, httpx.HTTPError) as e:
+                delay = None if first is not None else self._again_in(e, tries)
+                if delay is None:  # the SDKs give up (or the answer broke off mid-stream)
+                    self._fail(pid, step, arrival, replica, e, tries)
+                    return "".join(parts)
+                await self._sleep_trace(delay)
+                continue
+            break
         finish = self.now()
         hits = usage.hits()
         self.records.append(
@@ -369,21 +401,44 @@ class Replay:
                 agent=me.program.agent,
                 last=step is me.program.steps[-1],
                 round=f"{me.session}/{step.round}" if step.round else None,
+                **tries.fields(),
             )
         )
         self.progress.steps += 1
         self.progress.output_tokens += self.records[-1].output_tokens
         return "".join(parts)
 
+    def _again_in(self, error: Exception, tries: _Tries) -> float | None:
+        """Trace seconds until the next attempt after `error`, or None: the step fails. A
+        start the router's door deferred comes back when told, however often; anything
+        else is retried as the SDKs retry (their Retry-After is in wall seconds)."""
+        response = getattr(error, "response", None)
+        headers = response.headers if response is not None else {}
+        after = retry_after_s(headers)
+        after = None if after is None else after * self.config.time_scale
+        if getattr(error, "code", None) == START_DEFERRED:
+            tries.refusals += 1
+            self.progress.deferred += 1
+            return after if after is not None else 1.0
+        if not retried(getattr(error, "status_code", None)):
+            return None
+        delay = RETRIES.delay_s(tries.retries, after, self._retry_rng)
+        tries.retries += delay is not None
+        return delay
+
     @staticmethod
     def _round(me: _Instance, step: TraceStep) -> dict[str, str]:
         """The step's All-Gather round, for a round-aware router (engines ignore it)."""
         return {"X-Round-Id": f"{me.session}/{step.round}"} if step.round else {}
 
-    def _fail(self, pid: str, step: TraceStep, arrival: float, replica, error: Exception) -> None:
+    def _fail(
+        self, pid: str, step: TraceStep, arrival: float, replica, error: Exception, tries: _Tries
+    ) -> None:
         now = self.now()
         self.records.append(
-            StepRecord(pid, replica, arrival, now, now, step.input_tokens, 0, ok=False)
+            StepRecord(
+                pid, replica, arrival, now, now, step.input_tokens, 0, ok=False, **tries.fields()
+            )
         )
         kind = type(error).__name__
         status = getattr(error, "status_code", None)
