@@ -62,7 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="run the comparison this many times, policies interleaved, seeds --seed, "
-        "--seed + 1, ...; the report shows means and the range of MORI's ratios",
+        "--seed + 1, ...; the report shows means and the range of MORI's ratios (one run's "
+        "ratios and wall time move with the machine's load: 3 shows the spread)",
     )
     parser.add_argument(
         "--time-scale",

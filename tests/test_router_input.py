@@ -295,6 +295,28 @@ async def test_keys_guard_clients_and_admin(replica_url):
     await _with_router(replica_url, run, api_keys=["client-key"], admin_key="admin-key")
 
 
+@pytest.mark.parametrize(
+    ("keys", "unkeyed"), [({}, 200), ({"api_keys": ["client-key"]}, 401)], ids=["none", "client"]
+)
+async def test_without_an_admin_key_the_admin_endpoints_take_what_clients_take(
+    replica_url, keys, unkeyed
+):
+    """docs/router.md: with no `admin_key`, a valid client key opens /v1/programs and
+    /v1/replicas, and with no `api_keys` either they answer without a key; /health and
+    /metrics never ask for one."""
+
+    async def run(c):
+        for path in ("/v1/programs", "/v1/replicas"):
+            assert (await c.get(path)).status_code == unkeyed, path
+            if keys:
+                r = await c.get(path, headers={"authorization": "Bearer client-key"})
+                assert r.status_code == 200, path
+        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/health")).status_code == 200
+
+    await _with_router(replica_url, run, **keys)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=20),
     lambda children: (

@@ -44,8 +44,9 @@ POLICY_WORDS: dict[str, str] = {
     "smg": "SGLang-gateway-like cache-aware routing, no gate",
 }
 COLUMN_WORDS = (
-    "out tok/s and TTFT (time to first token) are on the trace clock, what a real-time run "
-    "would show; GPU KV use = mean share of the GPU KV budget held by running requests; "
+    "out tok/s (higher is better) and TTFT (time to first token, lower is better) are on the "
+    "trace clock, what a real-time run would show; GPU KV use = mean share of the GPU KV "
+    "budget held by running requests; "
     "device hit, miss = share of prompt tokens found in GPU KV, recomputed (the rest was "
     "loaded from host DRAM); churn = share of programs whose steps ran on more than one "
     "replica; CPU ratio = host KV budget / GPU KV budget."
@@ -78,17 +79,22 @@ COLUMNS: list[tuple[str, str, str]] = [
 NARROW = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "gpu_util", "hit_device", "miss", "churn")
 CELL_HEADERS = ("conc", "CPU\nratio")
 JSON_FIELDS = ["policy", "concurrency", "cpu_ratio"] + [c[0] for c in COLUMNS]
-# (ratio key, RunResult field, header) of MORI's ratios to each policy.
+# How each metric is printed, so that the plots' values read as the table's do.
+FORMATS = {field: fmt for field, _, fmt in COLUMNS}
+HIGHER, LOWER = "↑ higher better", "↓ lower better"
+# (ratio key, RunResult field, header, which way favours MORI) of MORI's ratios to each
+# policy: a ratio of a higher-is-better metric favours MORI above 1, of a lower-is-better
+# one below 1, and the header says which.
 RATIOS = (
-    ("throughput_ratio", "output_tok_s", "out tok/s"),
-    ("ttft_ratio", "ttft_mean_s", "TTFT mean"),
-    ("ttft_p99_ratio", "ttft_p99_s", "TTFT p99"),
+    ("throughput_ratio", "output_tok_s", "out tok/s", HIGHER),
+    ("ttft_ratio", "ttft_mean_s", "TTFT mean", LOWER),
+    ("ttft_p99_ratio", "ttft_p99_s", "TTFT p99", LOWER),
 )
 # (metric, axis label, file suffix) of the plots.
 PLOTS = (
-    ("output_tok_s", "output throughput (tok/s)", "throughput"),
-    ("ttft_mean_s", "mean TTFT (s)", "ttft"),
-    ("ttft_p99_s", "TTFT p99 (s)", "ttft-p99"),
+    ("output_tok_s", "output throughput (tok/s), higher is better", "throughput"),
+    ("ttft_mean_s", "mean TTFT (s), lower is better", "ttft"),
+    ("ttft_p99_s", "TTFT p99 (s), lower is better", "ttft-p99"),
 )
 
 
@@ -239,7 +245,7 @@ def ratios(results: list[RunResult], reference: str = REFERENCE) -> list[dict]:
             if name == reference:
                 continue
             row = {"concurrency": conc, "cpu_ratio": ratio, "versus": name, "seed": seed}
-            for key, metric, _ in RATIOS:
+            for key, metric, _, _ in RATIOS:
                 row[key] = _div(getattr(ref, metric), getattr(other, metric))
             out.append(row)
     return out
@@ -264,7 +270,7 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
     for (conc, ratio, versus), runs in by_pair.items():
         summary: dict = {"concurrency": conc, "cpu_ratio": ratio, "versus": versus}
         summary["runs"] = len(runs)
-        for key, _, _ in RATIOS:
+        for key, _, _, _ in RATIOS:
             values = [r[key] for r in runs if r[key] is not None]
             summary[key] = (
                 {"mean": fmean(values), "min": min(values), "max": max(values)} if values else None
@@ -291,14 +297,14 @@ def ratio_table(results: list[RunResult], reference: str = REFERENCE) -> Table |
     table = _table(title)
     shared = _constant(results)
     cell_headers = [h for h in CELL_HEADERS if h not in shared]
-    for header in [*cell_headers, "versus"] + [f"{h}\nratio" for _, _, h in RATIOS]:
+    for header in [*cell_headers, "versus"] + [f"{h} ratio\n{way}" for _, _, h, way in RATIOS]:
         table.add_column(header, justify="right")
     for row in rows:
         cell = {"conc": str(row["concurrency"]), "CPU\nratio": f"{row['cpu_ratio']:g}"}
         table.add_row(
             *(cell[h] for h in cell_headers),
             row["versus"],
-            *(_ratio_text(row[key]) for key, _, _ in RATIOS),
+            *(_ratio_text(row[key]) for key, _, _, _ in RATIOS),
         )
     return table
 
@@ -382,7 +388,7 @@ def _lines(ax, panel: dict, policies: list[str], metric: str) -> None:
 
 def _bars(ax, panel: dict, policies: list[str], metric: str) -> None:
     """One concurrency only (a demo, a single live replay): a bar per policy, its value above
-    it; repeated runs draw their range as a whisker."""
+    it rounded as the table rounds it; repeated runs draw their range as a whisker."""
     by_policy = {k[0]: _spread(runs, metric) for k, runs in panel.items()}
     names = [p for p in policies if p in by_policy]
     means, lo, hi = zip(*(by_policy[p] for p in names), strict=True)
@@ -390,7 +396,7 @@ def _bars(ax, panel: dict, policies: list[str], metric: str) -> None:
     ax.bar(names, means, yerr=whiskers, capsize=6, color=[f"C{i}" for i in range(len(names))])
     for x, (mean, top) in enumerate(zip(means, hi, strict=True)):
         ax.annotate(
-            f"{mean:.3g}",
+            FORMATS[metric].format(mean),
             (x, mean + top),
             xytext=(0, 3),
             textcoords="offset points",
