@@ -60,7 +60,8 @@ def test_json_csv_and_plots_are_written(tmp_path):
     paths = write_reports(RESULTS, tmp_path / "out" / "run.json", title="t")
     names = sorted(p.name for p in paths)
     assert names == [
-        "run-throughput.png", "run-ttft-p99.png", "run-ttft.png", "run.csv", "run.json"
+        "run-throughput.png", "run-ttft-p99.png", "run-ttft.png", "run-waits.png", "run.csv",
+        "run.json",
     ]  # fmt: skip
     doc = json.loads((tmp_path / "out" / "run.json").read_text())
     assert len(doc["results"]) == len(RESULTS)
@@ -195,7 +196,7 @@ def test_plot_values_are_rounded_as_the_table_rounds_them():
     console.print(results_table(runs))
     lines = [line.split() for line in console.export_text().splitlines()]
     rows = {cells[0]: cells for cells in lines if cells and cells[0] in ("mori", "smg")}
-    for metric in ("output_tok_s", "ttft_mean_s", "ttft_p99_s"):
+    for metric in ("output_tok_s", "ttft_p99_s", "ttft_p99_inflight_s"):
         fig, ax = plt.subplots()
         _bars(ax, _groups(runs), ["mori", "smg"], metric)
         values = [text.get_text() for text in ax.texts]

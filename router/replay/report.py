@@ -49,7 +49,10 @@ COLUMN_WORDS = (
     "budget held by running requests; "
     "device hit, miss = share of prompt tokens found in GPU KV, recomputed (the rest was "
     "loaded from host DRAM); churn = share of programs whose steps ran on more than one "
-    "replica; CPU ratio = host KV budget / GPU KV budget."
+    "replica; CPU ratio = host KV budget / GPU KV budget; in-flight TTFT = the steps of "
+    "programs that have run one; start wait = a program's first attempt to its first token "
+    "(times it was told to come back included); failed steps = steps the client gave up on "
+    "(the SDKs' two retries spent)."
 )
 
 # (field, header, format) of the main table (`--wide`); shares are printed as percentages.
@@ -66,6 +69,11 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("hit_host", "host\nhit", "{:.0%}"),
     ("miss", "miss", "{:.0%}"),
     ("churn", "churn", "{:.1%}"),
+    # overload: steps that failed (the gate's timeout, retried as the SDKs do), the TTFT of
+    # the steps of programs in flight, and what starts waited from their first attempt
+    ("failed_steps", "failed\nsteps", "{:d}"),
+    ("ttft_p99_inflight_s", "in-flight\nTTFT p99", "{:.1f}"),
+    ("start_wait_p99_s", "start s\nwait p99", "{:.1f}"),
     # multi-agent apps (tasks): end-to-end latency and abnormal agent instances
     ("app_e2e_mean_s", "app e2e s\nmean", "{:.1f}"),
     ("app_e2e_p99_s", "app e2e s\np99", "{:.1f}"),
@@ -75,8 +83,13 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("round_latency_p99_s", "round s\np99", "{:.2f}"),
     ("kv_tokens_per_agent", "KV per\nagent", "{:.0f}"),
 ]
-# The default table fits 80 columns: throughput, TTFT, KV use, where prompts were found, churn.
-NARROW = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "gpu_util", "hit_device", "miss", "churn")
+# The default table fits 80 columns: throughput, TTFT p99 of all steps and of the steps of
+# programs in flight, what starts waited, recomputed prompt tokens, failed steps (TTFT mean
+# is in the ratio table; KV use, hits and churn in `--wide`).
+NARROW = (
+    "output_tok_s", "ttft_p99_s", "ttft_p99_inflight_s", "start_wait_p99_s", "miss",
+    "failed_steps",
+)  # fmt: skip
 CELL_HEADERS = ("conc", "CPU\nratio")
 JSON_FIELDS = ["policy", "concurrency", "cpu_ratio"] + [c[0] for c in COLUMNS]
 # How each metric is printed, so that the plots' values read as the table's do.
@@ -96,6 +109,8 @@ PLOTS = (
     ("ttft_mean_s", "mean TTFT (s), lower is better", "ttft"),
     ("ttft_p99_s", "TTFT p99 (s), lower is better", "ttft-p99"),
 )
+# The waits of the two kinds of steps side by side: a program's next step, and a start.
+KINDS = (("ttft_p99_inflight_s", "in-flight step TTFT p99"), ("start_wait_p99_s", "start wait p99"))
 
 
 def console(stderr: bool = False) -> Console:
@@ -365,7 +380,42 @@ def plot(results: list[RunResult], path: Path, title: str = "") -> list[Path]:
             fig.savefig(out, dpi=150)
             plt.close(fig)
         written.append(out)
-    return written
+    return written + [_plot_kinds(results, path, title, plt)]
+
+
+def _plot_kinds(results: list[RunResult], path: Path, title: str, plt) -> Path:
+    """`<stem>-waits.png`: per policy, the TTFT p99 of steps of programs in flight beside
+    the p99 of what starts waited (from their first attempt), per CPU ratio and
+    concurrency: who waits under overload, a program mid-task or one not yet begun."""
+    agg = aggregate(results)
+    cells = sorted({_cell(r) for r in agg}, key=lambda c: (c[1], c[0]))
+    policies = sorted({r.policy for r in agg}, key=_policy_order)
+    by = {(r.policy, *_cell(r)): r for r in agg}
+    with plt.rc_context({"font.size": 12}):
+        fig, axes = plt.subplots(
+            1, len(cells), figsize=(7 * len(cells), 5), squeeze=False, sharey=True
+        )
+        width = 0.8 / len(KINDS)
+        for ax, cell in zip(axes[0], cells, strict=True):
+            names = [p for p in policies if (p, *cell) in by]
+            for k, (metric, label) in enumerate(KINDS):
+                values = [getattr(by[(p, *cell)], metric) for p in names]
+                xs = [i + (k - (len(KINDS) - 1) / 2) * width for i in range(len(names))]
+                bars = ax.bar(xs, values, width, label=label, color=f"C{k}")
+                ax.bar_label(bars, [FORMATS[metric].format(v) for v in values], padding=2)
+            ax.set_xticks(range(len(names)), names)
+            ax.set_title(f"{cell[0]} programs, CPU ratio {cell[1]:g}")
+            ax.grid(alpha=0.3, axis="y")
+            ax.margins(y=0.12)
+        axes[0][0].set_ylabel("seconds, lower is better")
+        axes[0][0].legend()
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        out = path.with_name(f"{path.stem}-waits.png")
+        fig.savefig(out, dpi=150)
+        plt.close(fig)
+    return out
 
 
 def _spread(runs: list[RunResult], metric: str) -> tuple[float, float, float]:
@@ -414,7 +464,7 @@ def _bars(ax, panel: dict, policies: list[str], metric: str) -> None:
 def write_reports(
     results: list[RunResult], json_path: str | Path, title: str = "", meta: dict | None = None
 ) -> list[Path]:
-    """JSON at `json_path`, a CSV next to it, and the three PNG plots; returns the paths."""
+    """JSON at `json_path`, a CSV next to it, and the four PNG plots; returns the paths."""
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     csv_path = json_path.with_suffix(".csv")
