@@ -81,7 +81,7 @@ class PolicyConfig:
     # everything once it has waited half of this, taking room from programs in tool calls
     # or holding its replica's room for it; starts wait at the door meanwhile
     # (router.policy.door, docs/policy.md "Overload"; 0: off, and starts are not gated)
-    max_step_wait_s: float = 60.0
+    max_step_wait_s: float = 120.0
     # mori: the door lets a start in while the programs in flight on its replica keep less
     # than this share of its GPU room busy (context x share of time reasoning, summed)
     door_load: float = 1.0
