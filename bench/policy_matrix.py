@@ -216,6 +216,50 @@ def render(cells: dict, policies: list[str], console: Console) -> list[str]:
     return md
 
 
+def plot_frontier(cells: dict, labels: list[str], knob: str, path: Path) -> None:
+    """One panel per cell: output tok/s against in-flight TTFT p99 (lower is better) for each
+    value of the swept `knob` (a line, the policy's default starred) and for each baseline (a
+    point, its failed steps beside it: a failed step is worse than any wait)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from router.policy.base import PolicyConfig
+
+    default = getattr(PolicyConfig(), knob, None)
+    swept = [label for label in labels if label.startswith("mori[")]
+    cols = min(4, len(cells))
+    rows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4.2 * rows), squeeze=False)
+    panels = zip(axes.flat, cells.items(), strict=False)  # a grid may have spare panels
+    for ax, ((deployment, corpus, programs, ratio), cell) in panels:
+        pts = [(cell[lb]["ttft_p99_inflight_s"], cell[lb]["output_tok_s"], lb) for lb in swept]
+        ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", color="C0", label="mori")
+        for x, y, label in pts:
+            value = _value(label.split("=", 1)[1].rstrip("]"))
+            star = value == default
+            ax.annotate(f"{value:g}" + (" (default)" if star else ""), (x, y), fontsize=8)
+            if star:
+                ax.plot([x], [y], "*", ms=16, color="C3")
+        for i, name in enumerate(b for b in BASELINES if b in cell):
+            m = cell[name]
+            ax.plot(m["ttft_p99_inflight_s"], m["output_tok_s"], "s", color=f"C{i + 1}")
+            failed = f", {m['failed_steps']:.0f} failed" if m["failed_steps"] else ""
+            ax.annotate(f"{name}{failed}", (m["ttft_p99_inflight_s"], m["output_tok_s"]),
+                        fontsize=8, color=f"C{i + 1}")  # fmt: skip
+        ax.set_title(f"{corpus}, {programs} programs, CPU {ratio:g} ({deployment})", fontsize=9)
+        ax.set_xlabel("in-flight step TTFT p99 (s), lower is better")
+        ax.set_ylabel("output tok/s, higher is better")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(cells) :]:
+        ax.axis("off")
+    fig.suptitle(f"mori's {knob} against throughput and the in-flight tail (mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deployments", nargs="+", default=["h100-8b"], choices=DEPLOYMENTS)
@@ -231,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, help="write every run's metrics as JSON")
     parser.add_argument("--write", type=Path, help="append the tables as Markdown")
+    parser.add_argument(
+        "--frontier",
+        type=Path,
+        metavar="PNG",
+        help="with --sweep: plot each cell's output tok/s against its in-flight TTFT p99, the "
+        "swept values as a line (the default starred), the baselines as points",
+    )
     args = parser.parse_args(argv)
     settings = tuple((k, _value(v)) for k, _, v in (s.partition("=") for s in args.settings))
 
@@ -272,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = scorecard(cells, [label for label in labels if label.startswith("mori")])
     for line in summary:
         console.print(line, markup=False)
+    if args.frontier and args.sweep:
+        knob = args.sweep.partition("=")[0]
+        plot_frontier(cells, labels, knob, args.frontier)
+        console.print(f"frontier plot: {args.frontier}")
     if args.json:
         rows = [{**run.__dict__, "settings": dict(run.settings), **row} for run, row in results]
         args.json.write_text(json.dumps(rows, indent=1))

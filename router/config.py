@@ -30,6 +30,7 @@ SCALED_TIMERS = (
     "hint_ack_timeout_s",
     "aging_s",
     "max_step_wait_s",
+    "start_hold_s",
     "predict_lead_s",
     "predict_grace_s",
     "prefill_s_per_token",  # a price in seconds, like the KV copy time
@@ -85,6 +86,7 @@ class RouterConfig(BaseModel):
     band_waiver_steps: int = Field(default=_POLICY.band_waiver_steps, ge=0)
     max_step_wait_s: float = Field(default=_POLICY.max_step_wait_s, ge=0)
     door_load: float = Field(default=_POLICY.door_load, gt=0)
+    start_hold_s: float = Field(default=_POLICY.start_hold_s, ge=0)
     critical_ratio: float = Field(default=_POLICY.critical_ratio, ge=0, le=1)
     w_static: float = Field(default=_POLICY.w_static, ge=0)
     gpu_usage_high: float = Field(default=_POLICY.gpu_usage_high, ge=0, le=1)

@@ -49,3 +49,23 @@ def test_real_engine_ab_refuses_a_malformed_variant_before_starting_anything() -
     )  # fmt: skip
     assert done.returncode == 2
     assert "bad policy 'mori[aging_s=60'" in done.stderr
+
+
+def test_policy_matrix_counts_no_cell_with_failed_steps_as_a_win_and_plots_the_frontier(
+    tmp_path: Path,
+) -> None:
+    """A swept knob over one short overloaded cell: the verdict of a variant that failed
+    steps is no win, whatever its throughput, and the frontier plot is written."""
+    from bench.policy_matrix import main, verdicts
+
+    row = {"output_tok_s": 100.0, "failed_steps": 0, "ttft_p99_s": 1.0}
+    row |= {"ttft_p99_inflight_s": 1.0}
+    cell = {"mori": {**row, "failed_steps": 3, "output_tok_s": 150.0}, "smg": row}
+    assert verdicts(cell)["tput_ok"] is False
+    assert verdicts({**cell, "mori": {**row, "output_tok_s": 150.0}})["tput_ok"] is True
+    png = tmp_path / "frontier.png"
+    argv = ["--corpora", "generated-32k", "--programs", "20", "--cpu-ratio", "1", "--seeds", "0"]
+    argv += ["--policies", "mori", "smg", "--duration", "120", "--jobs", "1"]
+    argv += ["--sweep", "max_step_wait_s=60,120", "--frontier", str(png)]
+    assert main(argv) == 0
+    assert png.stat().st_size > 10_000

@@ -129,24 +129,41 @@ def test_starts_are_let_in_in_the_order_they_first_asked():
     assert policy.route("second") is None  # 0 left
 
 
-def test_a_start_that_would_outwait_the_gate_is_told_to_come_back():
-    """The door lets starts in every 100 s; the gate times out at 300 s: a start with two
-    ahead of it expects 300 s and is refused at once, with about that to wait; the one
-    ahead of it is not."""
-    policy = make(gpu=10_000, gate_timeout_s=300.0)
+def _door_pacing_every_100_s(**cfg) -> MoriPolicy:
+    """The door has let a start in every 100 s; a program in flight now holds the replica,
+    and starts w0, w1, w2 wait in that order."""
+    policy = make(gpu=10_000, gate_timeout_s=300.0, **cfg)
     t = 0.0
-    for i in range(3):  # one start let in every 100 s
+    for i in range(3):
         run_step(policy, f"p{i}", t, 9_000)
         policy.end(f"p{i}", t + 1.0)
         t += 100.0
-    run_step(policy, "busy", t, 9_000)  # holds the replica
+    run_step(policy, "busy", t, 9_000)
     policy.on_request("busy", t + 2.0, 9_000)
-    waiting = [f"w{i}" for i in range(3)]
-    for i, pid in enumerate(waiting):
-        policy.on_request(pid, t + 3.0 + i, 5_000)
-    assert policy.refusal("w0") is None  # 100 s expected: it waits
+    for i in range(3):
+        policy.on_request(f"w{i}", t + 3.0 + i, 5_000)
+    return policy
+
+
+def test_a_start_that_would_outwait_the_gate_is_told_to_come_back():
+    """Held up to the gate timeout (`start_hold_s` 240): w0 expects 100 s and waits; w2,
+    with two ahead, expects 300 s, past 0.8 x the 300 s timeout, and is refused at once
+    with about that to wait."""
+    policy = _door_pacing_every_100_s(start_hold_s=240.0)
+    assert policy.refusal("w0") is None
     retry = policy.refusal("w2")
     assert retry is not None and 200.0 <= retry <= 300.0
+
+
+def test_a_start_is_held_no_longer_than_start_hold_s():
+    """The default hold (30 s): w0's 100 s expected wait is too long to hold; it is told to
+    come back then, and keeps its place when it does."""
+    policy = _door_pacing_every_100_s()
+    retry = policy.refusal("w0")
+    assert retry is not None and 90.0 <= retry <= 110.0
+    policy.cancel("w0", 400.0)  # the shell answers 429
+    policy.on_request("w0", 450.0, 5_000)
+    assert policy.describe("w0", 450.0)["start_queue_position"] == 0
 
 
 def test_no_start_is_let_in_past_the_load_the_programs_in_flight_bring():

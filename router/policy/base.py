@@ -85,6 +85,9 @@ class PolicyConfig:
     # mori: the door lets a start in while the programs in flight on its replica keep less
     # than this share of its GPU room busy (context x share of time reasoning, summed)
     door_load: float = 1.0
+    # mori: the longest a start is held at the door; one expected to wait longer is told at
+    # once to come back when its turn is expected (429 + Retry-After), keeping its place
+    start_hold_s: float = 30.0
     # the shell's gate timeout: a held request is answered 503 after this long; the door
     # refuses a start it does not expect to let in before then, at once
     gate_timeout_s: float = 300.0

@@ -81,12 +81,12 @@ class Door:
         interval = self.interval_s(now)
         return None if interval is None else (position + 1) * interval
 
-    def update_refusals(self, now: float, timeout_s: float) -> None:
-        """Mark the held starts that would not be let in before the gate times them out:
-        those whose wait so far plus the wait expected at their place passes
-        `REFUSE_AT` x `timeout_s`, and any held that long already. Each is told to come
+    def update_refusals(self, now: float, timeout_s: float, hold_s: float) -> None:
+        """Mark the held starts the door will not hold: those whose wait so far plus the
+        wait expected at their place passes `hold_s` or `REFUSE_AT` x `timeout_s` (the
+        gate would time them out), and any held that long already. Each is told to come
         back when its turn is expected (`refused`, in seconds)."""
-        budget = REFUSE_AT * timeout_s
+        budget = min(hold_s, REFUSE_AT * timeout_s)
         for position, (pid, p) in enumerate(self._queue.items()):
             if not p.pending or pid in self.refused:
                 continue

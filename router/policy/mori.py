@@ -98,7 +98,7 @@ class MoriPolicy(PricedPolicy):
             self._first_context.setdefault(p.program_id, p.context_tokens)
             self.door.enter(p)
             moves = self._promote(now)
-            self.door.update_refusals(now, self.config.gate_timeout_s)
+            self.door.update_refusals(now, self.config.gate_timeout_s, self.config.start_hold_s)
             return [
                 replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
                 for m in moves
@@ -401,7 +401,7 @@ class MoriPolicy(PricedPolicy):
             self._next_rebalance_s = now + self.config.tick_s
             moves += super().tick(now)
             if self.bounded:
-                self.door.update_refusals(now, self.config.gate_timeout_s)
+                self.door.update_refusals(now, self.config.gate_timeout_s, self.config.start_hold_s)
         elif self.bounded and self._urgent(now):
             moves += self._promote(now)
         return moves + self._expire_protection(now) + self._predictive_promotions(now)
