@@ -95,8 +95,9 @@ def overload_targets(policy: MoriPolicy, p, healthy: list[str], now: float) -> l
     if p.program_id not in policy.door:
         return healthy
     waited_for = {q.last_replica for q in policy._every_held() if q.program_id not in policy.door}
-    load = policy._load(now)
-    return [r for r in healthy if r not in waited_for and load[r] < policy.config.door_load]
+    load = policy._loads(now)  # as the door last summed it
+    room = {r: policy.config.door_load * policy._room(r) for r in healthy}
+    return [r for r in healthy if r not in waited_for and load.get(r, 0.0) < room[r]]
 
 
 def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:

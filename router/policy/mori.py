@@ -80,6 +80,8 @@ class MoriPolicy(PricedPolicy):
         self._context_sum: dict[str, int] = {}  # program -> its contexts after each step
         self._life_context = 0.0  # mean context over a program's steps, programs that ended
         self._lives = 0  # programs that ended after a step
+        self._load: dict[str, float] | None = None  # replica -> busy tokens (`_loads`)
+        self._load_of: dict[str, tuple[str, float]] = {}  # program -> what it adds there
 
     # overload: the wait bound and the door ------------------------------------------
     @property
@@ -187,10 +189,13 @@ class MoriPolicy(PricedPolicy):
         if not starts:
             return []
         closed = {p.last_replica for p in self._waiting_in_flight()}
+        replicas = self.tiers.replicas()
+        loads = self._loads(now)
+        if loads.keys() != set(replicas):  # a replica came or went since the sum
+            self._load = None
+            loads = self._loads(now)
         spare = {
-            r: (self.config.door_load - load) * self._room(r)
-            for r, load in self._load(now).items()
-            if r not in closed
+            r: self.config.door_load * self._room(r) - loads[r] for r in replicas if r not in closed
         }
         free = {
             r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now)
@@ -203,25 +208,44 @@ class MoriPolicy(PricedPolicy):
                 break
             placed = self._place_start(p, free, now)
             if placed:
-                r = placed[-1].dst.replica
-                spare[r] -= self._footprint(p)  # type: ignore[index]
-                if spare[r] <= 0:  # type: ignore[index]
-                    del free[r]  # type: ignore[arg-type]
+                r: str = placed[-1].dst.replica  # type: ignore[assignment]
+                spare[r] -= self._count_load(p, r, now)
+                if spare[r] <= 0:
+                    del free[r]
                 moves += placed
         return moves
 
-    def _load(self, now: float) -> dict[str, float]:
-        """The GPU room the programs in flight keep busy on each replica, on average, as a
-        share of its GPU tier: each one's KV over its life (`_footprint`) times the share
-        of its time it spends reasoning (1 - idleness; a program without history counts
-        whole). While it stays below the room there is, returning steps find room; past
-        it they queue, and the queue is what the wait bound has to break by swapping."""
-        load = dict.fromkeys(self.tiers.replicas(), 0.0)
-        for p in self.programs.values():
-            r = p.last_replica  # None at the door: starts count once let in
-            if r in load:
-                load[r] += self._footprint(p) * (1.0 - p.idleness(now))
-        return {r: used / self._room(r) for r, used in load.items()}
+    def _loads(self, now: float) -> dict[str, float]:
+        """The GPU room the programs in flight keep busy on each replica, on average, in
+        tokens: each one's KV over its life (`_footprint`) times the share of its time it
+        spends reasoning (1 - idleness; a program without history counts whole). While it
+        stays below the room there is, returning steps find room; past it they queue, and
+        the queue is what the wait bound has to break by swapping. Summed over every
+        program at a full tick (O(programs)); between ticks a program's share is counted
+        again at its step's end, a start let in adds its own and an ended program takes
+        its own away, so an event costs O(1)."""
+        if self._load is None:
+            self._load = dict.fromkeys(self.tiers.replicas(), 0.0)
+            self._load_of = {}
+            for p in self.programs.values():
+                if p.last_replica in self._load:  # None at the door
+                    self._count_load(p, p.last_replica, now)  # type: ignore[arg-type]
+        return self._load
+
+    def _count_load(self, p: Program, replica: str, now: float) -> float:
+        """Count `p`'s busy share on `replica` in place of what it added before (at a step's
+        end its idleness is its cycles' without the call just begun: its usual share)."""
+        self._uncount_load(p.program_id)
+        share = self._footprint(p) * (1.0 - p.idleness(now))
+        self._load_of[p.program_id] = (replica, share)
+        if self._load is not None and replica in self._load:
+            self._load[replica] += share
+        return share
+
+    def _uncount_load(self, program_id: str) -> None:
+        counted = self._load_of.pop(program_id, None)
+        if counted is not None and self._load is not None and counted[0] in self._load:
+            self._load[counted[0]] -= counted[1]
 
     def _room(self, replica: str) -> int:
         return max(1, self.tiers.budget(Placement(Tier.GPU, replica)))
@@ -366,6 +390,8 @@ class MoriPolicy(PricedPolicy):
         p = self.programs.get(program_id)
         if p is not None and p.status is Status.ACTING:
             self._context_sum[program_id] = self._context_sum.get(program_id, 0) + p.context_tokens
+            if self._load is not None and p.last_replica is not None:
+                self._count_load(p, p.last_replica, now)
             a = self.config.ewma_alpha
             self.step_s = a * p.reasoning_s + (1 - a) * self.step_s
         return moves
@@ -387,6 +413,7 @@ class MoriPolicy(PricedPolicy):
         p = self.programs.get(program_id)
         if p is not None:
             self._observe_life(p)
+        self._uncount_load(program_id)
         moves = super().end(program_id, now, reason)
         return moves + self._predictive_promotions(now) if moves else moves
 
@@ -399,6 +426,7 @@ class MoriPolicy(PricedPolicy):
         moves: list[Move] = []
         if now + _EPS >= self._next_rebalance_s:
             self._next_rebalance_s = now + self.config.tick_s
+            self._load = None  # summed afresh at the next door pass (`_loads`)
             moves += super().tick(now)
             if self.bounded:
                 self.door.update_refusals(now, self.config.gate_timeout_s, self.config.start_hold_s)
