@@ -410,7 +410,7 @@ def _plot_kinds(results: list[RunResult], path: Path, title: str, plt) -> Path:
         axes[0][0].set_ylabel("seconds, lower is better")
         axes[0][0].legend()
         if title:
-            fig.suptitle(title)
+            fig.suptitle(textwrap.fill(title, 28 * len(cells) + 20), fontsize=11)
         fig.tight_layout()
         out = path.with_name(f"{path.stem}-waits.png")
         fig.savefig(out, dpi=150)
