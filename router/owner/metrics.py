@@ -123,6 +123,12 @@ class RouterMetrics:
             ["replica", "source"],
             registry=r,
         )
+        self.identity_ignored = Counter(
+            "mori_identity_ignored",
+            "session headers ignored as unusable identities (not a label), by header",
+            ["header"],
+            registry=r,
+        )
         self.hint_pushes = Counter(
             "mori_hint_pushes", "hint batches pushed", ["replica", "result"], registry=r
         )
