@@ -18,7 +18,9 @@ the program id each answer carried (x-mori-program-id) and the router's sessions
 `merged` router programs that served more than one instance; among roots, `as sub` those
 the router filed under a parent; among subagents, `parent ok` those filed under the
 router's program of their trace parent, `wrong` under another, `lost` under none.
-`program-id` names parents explicitly, so its parent columns are not counted (-).
+`program-id` names parents explicitly, so its parent columns are not counted (-). `miss`
+is the share of prompt tokens the engines computed afresh: a program the router split or
+merged would lose its KV affinity and show there first.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def _row(identity: str, result: RunResult, counts: Counter[str], base: float) ->
         f"{result.output_tok_s:.1f}",
         f"{ratio:.3f}",
         f"{result.ttft_mean_s:.2f}",
+        f"{result.miss:.1%}",
         str(counts["failed"]),
         f"{counts['instances']} / {counts['router_programs']}",
         str(counts["split"]),
@@ -130,9 +133,9 @@ def _row(identity: str, result: RunResult, counts: Counter[str], base: float) ->
 
 
 HEADER = (
-    "| identity | out tok/s | / program-id | TTFT mean s | failed steps | instances / router "
-    "programs | split | merged | roots | as sub | subagents | parent ok | wrong | lost |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "| identity | out tok/s | / program-id | TTFT mean s | miss | failed steps | instances / "
+    "router programs | split | merged | roots | as sub | subagents | parent ok | wrong | lost |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
 )
 
 
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = {x: one_run(args, x, corpus) for x in identities[shift:] + identities[:shift]}
         rows = {x: rows[x] for x in identities}
         base = rows[BASELINE][0].output_tok_s
-        lines.append(f"| **rep {rep + 1}, seed {args.seed}** |" + " |" * 13)
+        lines.append(f"| **rep {rep + 1}, seed {args.seed}** |" + " |" * 14)
         for identity, (result, counts) in rows.items():
             ratios[identity].append(result.output_tok_s / base if base else 0.0)
             lines.append(_row(identity, result, counts, base))

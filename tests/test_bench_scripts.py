@@ -49,3 +49,33 @@ def test_real_engine_ab_refuses_a_malformed_variant_before_starting_anything() -
     )  # fmt: skip
     assert done.returncode == 2
     assert "bad policy 'mori[aging_s=60'" in done.stderr
+
+
+def test_harness_identity_counts_splits_merges_and_parents() -> None:
+    """The confusion counts the harness-identity figure reports (bench/harness_identity.py)."""
+    from bench.harness_identity import confusion
+
+    routed = {
+        "a": {"s1/fa"},  # a root, seen as one program
+        "a.sub": {"s1/fb"},  # its subagent, filed under it
+        "a.sub2": {"s1/fc"},  # another, filed under nobody
+        "b": {"s2/fa", "s2/fz"},  # a root split in two
+        "c": {"fp-1"},  # two roots merged into one program,
+        "d": {"fp-1"},  # ... and each filed as a subagent of `a`
+        "d.sub": {"s4/fd"},  # a subagent filed under the wrong parent
+    }
+    parents = {"a.sub": "a", "a.sub2": "a", "d.sub": "d"}
+    under = {"s1/fb": "s1/fa", "fp-1": "s1/fa", "s4/fd": "s1/fa"}
+    counts = confusion(routed, parents, under)
+    assert dict(counts) == {
+        "instances": 7,
+        "router_programs": 7,
+        "merged": 1,
+        "split": 1,
+        "roots": 3,
+        "root_as_sub": 2,
+        "subagents": 3,
+        "parent_ok": 1,
+        "parent_lost": 1,
+        "wrong": 1,
+    }

@@ -56,7 +56,8 @@ class Sessions:
 
     def of(self, program_id: str) -> dict[str, Any]:
         """A program's identity as `/v1/programs` shows it: the source of its id and its
-        parent (its session is the id's prefix; `session` there is the runtime layer's)."""
+        parent. (A session's program ids start with the session; the `session` a
+        runtime-layer policy shows there is its own, the task.)"""
         who = self._programs.get(program_id, Who(None, None, None))
         return {"identity": who.source, "parent": who.parent}
 
