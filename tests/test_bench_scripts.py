@@ -69,3 +69,33 @@ def test_policy_matrix_counts_no_cell_with_failed_steps_as_a_win_and_plots_the_f
     argv += ["--sweep", "max_step_wait_s=60,120", "--frontier", str(png)]
     assert main(argv) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_harness_identity_counts_splits_merges_and_parents() -> None:
+    """The confusion counts the harness-identity figure reports (bench/harness_identity.py)."""
+    from bench.harness_identity import confusion
+
+    routed = {
+        "a": {"s1/fa"},  # a root, seen as one program
+        "a.sub": {"s1/fb"},  # its subagent, filed under it
+        "a.sub2": {"s1/fc"},  # another, filed under nobody
+        "b": {"s2/fa", "s2/fz"},  # a root split in two
+        "c": {"fp-1"},  # two roots merged into one program,
+        "d": {"fp-1"},  # ... and each filed as a subagent of `a`
+        "d.sub": {"s4/fd"},  # a subagent filed under the wrong parent
+    }
+    parents = {"a.sub": "a", "a.sub2": "a", "d.sub": "d"}
+    under = {"s1/fb": "s1/fa", "fp-1": "s1/fa", "s4/fd": "s1/fa"}
+    counts = confusion(routed, parents, under)
+    assert dict(counts) == {
+        "instances": 7,
+        "router_programs": 7,
+        "merged": 1,
+        "split": 1,
+        "roots": 3,
+        "root_as_sub": 2,
+        "subagents": 3,
+        "parent_ok": 1,
+        "parent_lost": 1,
+        "wrong": 1,
+    }

@@ -14,7 +14,15 @@ import random
 
 from router.policy import PolicyConfig, make_policy
 from router.policy.mori import URGENT_SHARE, MoriPolicy
-from router.policy.types import WAITING, MoveReason, Placement, ReplicaCapacity, Status, Tier
+from router.policy.types import (
+    WAITING,
+    AgentHints,
+    MoveReason,
+    Placement,
+    ReplicaCapacity,
+    Status,
+    Tier,
+)
 
 GPU0, CPU0 = Placement(Tier.GPU, "r0"), Placement(Tier.CPU, "r0")
 BOUND = 60.0
@@ -209,3 +217,16 @@ def test_a_step_in_flight_is_held_no_longer_than_its_bound_under_random_load():
                 del held[pid]
     assert max(waits) > 1.0, "no step in flight ever waited: the load is too light"
     assert max(waits) <= BOUND + 1.0
+
+
+def test_a_higher_priority_start_is_let_in_first():
+    """Two starts wait behind a step in flight; when the door opens, the one with the
+    client's higher `priority` goes first though it asked later."""
+    policy = make()
+    evicted_and_back(policy, 4.0)
+    policy.on_request("early", 5.0, 400)
+    policy.on_prompt("urgent-task", (), hints=AgentHints(priority=5))
+    policy.on_request("urgent-task", 6.0, 400)
+    policy.end("x", 9.0)  # room for `a`, then 400 left: one start
+    assert policy.route("urgent-task") == "r0"
+    assert policy.route("early") is None

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 
+import httpx
 import pytest
 
 from router.replay.client import Replay, ReplayConfig
@@ -227,3 +228,41 @@ def test_live_replay_tells_the_router_each_tool_call_and_each_end(emulator):
         assert seen and seen[0]["last_tool"] == "Bash:pytest", seen
         assert seen[0]["status"] == "acting"
         assert not [p for p in programs(base, "key-a")["data"] if mine(p)]
+
+
+@pytest.mark.parametrize("identity", ["claude-code", "codex", "opencode", "none"])
+def test_live_replay_names_programs_as_the_harness_does(emulator, corpus_file, identity):
+    """With a harness's identity no request carries a program id or a parent: the root
+    program's session header, shared by its subagent, is all the router gets, and the
+    router still sees each replayed program as one program of its own, the subagent under
+    its parent (`none`: fingerprints only, the parent is lost). Tool calls and ends go to
+    the ids the router answered with, behind an API key too. (main-b's restart, a step
+    reusing nothing, is left out: a harness's restarted conversation is a new program.)"""
+    _, corpus = corpus_file
+    corpus = [p for p in corpus if p.program_id != "main-b"]
+    spec = {"url": emulator, "gpu_tokens": 40000, "cpu_tokens": 60000}
+    with router([spec], api_keys=["key-a"]) as base:
+        config = ReplayConfig(
+            base + "/v1",
+            api_key="key-a",
+            concurrency=2,
+            duration_s=2.0,
+            time_scale=20,
+            start_jitter_s=0,
+            identity=identity,
+        )
+        run = Replay(corpus, config)
+        asyncio.run(run.run())
+        auth = {"authorization": "Bearer key-a"}
+        sessions = httpx.get(base + "/v1/sessions", headers=auth, timeout=5).json()["data"]
+        left = {p["program_id"] for p in programs(base, "key-a")["data"]}
+    assert all(r.ok for r in run.records) and run.routed
+    routed = {pid: ids.pop() for pid, ids in run.routed.items() if len(ids) == 1}
+    assert len(routed) == len(run.routed) == len(set(routed.values()))  # no split, no merge
+    parent_of = {sub: s["main"] for s in sessions for sub in s["subagents"]}
+    children = [pid for pid, parent in run.parents.items() if parent and pid in routed]
+    assert children, "the subagent ran"
+    for pid in children:
+        expected = routed[run.parents[pid]] if identity != "none" else None
+        assert parent_of.get(routed[pid]) == expected
+    assert not left & set(routed.values())  # every program was ended by the id it had

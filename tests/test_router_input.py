@@ -18,7 +18,13 @@ from router.config import POLICY_KNOBS, ConfigError, RouterConfig, load_config, 
 from router.policy import PolicyConfig
 from router.policy.labels import LabelError
 from router.protocol.accounting import OpenAIStream
-from router.protocol.identity import fingerprint, namespace, resolve
+from router.protocol.identity import (
+    SESSION_HEADERS,
+    fingerprint,
+    namespace,
+    resolve,
+    session_headers,
+)
 from router.protocol.intake import Hints, Intake, prepare
 from router.wire.errors import ApiError
 from tests.router_harness import assert_clean, emulators, router
@@ -119,10 +125,10 @@ def test_config_errors_never_echo_secrets(tmp_path):
 
 def test_program_id_sources_in_order():
     body = {"program_id": "a", "extra_body": {"program_id": "b"}, "metadata": {"user_id": "d"}}
-    assert resolve(body, "c", "") == "a"
-    assert resolve({"extra_body": {"program_id": "b"}}, "c", "") == "b"
-    assert resolve({"metadata": {"user_id": "d"}}, "c", "") == "c"
-    assert resolve({"metadata": {"user_id": "d"}}, None, "") == "d"
+    assert resolve(body, "c", "") == ("a", "program_id", None, ())
+    assert resolve({"extra_body": {"program_id": "b"}}, "c", "").program_id == "b"
+    assert resolve({"metadata": {"user_id": "d"}}, "c", "").program_id == "c"
+    assert resolve({"metadata": {"user_id": "d"}}, None, "").source == "metadata.user_id"
     assert resolve({"program_id": "a"}, None, namespace("key1")) != resolve(
         {"program_id": "a"}, None, namespace("key2")
     )
@@ -130,6 +136,35 @@ def test_program_id_sources_in_order():
         resolve({"program_id": {"nested": 1}}, None, "")
     with pytest.raises(LabelError):
         resolve({"program_id": "x" * 1000}, None, "")
+
+
+def test_session_headers_come_after_explicit_ids_and_before_user_id():
+    """The harness headers in Dynamo's order, each naming a session whose programs are its
+    conversations; an unusable value is skipped (and reported), never an error."""
+    convo = {"messages": [{"role": "user", "content": "fix it"}], "metadata": {"user_id": "u"}}
+    fp = fingerprint(convo)
+    every = {
+        "x-opencode-session": "oc",
+        "session_id": "old",
+        "session-id": "cx",
+        "x-claude-code-session-id": "cc",
+        "x-dynamo-session-id": "dyn",
+    }
+    order = []
+    while every:
+        who = resolve(convo, None, "k/", session_headers(every))
+        order.append(who.source)
+        assert who.program_id == f"{who.session}/{fp}" and who.session.startswith("k/")
+        del every[who.source.lower()]
+    assert order == [name for _, name in SESSION_HEADERS]
+    assert resolve(convo, "x", "", session_headers({"session-id": "cx"})).program_id == "x"
+    bad = {"x-claude-code-session-id": "a\x00b", "session-id": " ok ", "session_id": "no"}
+    who = resolve(convo, None, "", session_headers(bad))
+    assert (who.session, who.ignored) == ("ok", ("X-Claude-Code-Session-Id",))
+    latin = {"x-dynamo-session-id": "\xff\xfe", "session-id": "x" * 300}
+    who = resolve(convo, None, "", session_headers(latin))
+    assert (who.program_id, who.ignored) == ("u", ("X-Dynamo-Session-ID", "session-id"))
+    assert resolve({"messages": convo["messages"]}, None, "").source == "fingerprint"
 
 
 async def test_large_bodies_are_prepared_in_the_worker_process():

@@ -119,16 +119,26 @@ def create_app(
             "policy": router.policy.name,
             "gate": {"waiting": router.gate.waiting, "turns": router.gate.turns},
             "in_flight": router.in_flight,
-            "data": [router.policy.describe(pid, now) for pid in list(router.policy.programs)],
+            "data": [describe(pid, now) for pid in list(router.policy.programs)],
         }
 
     @app.get("/v1/programs/{program_id:path}")
     async def get_program(request: Request, program_id: str) -> dict[str, Any]:
         auth.admin(request.headers)
-        view = router.policy.describe(program_id, router.clock())
+        view = describe(program_id, router.clock())
         if view is None:
             raise ApiError(404, f"no live program {program_id!r}", param="program_id")
         return view
+
+    def describe(program_id: str, now: float) -> dict[str, Any] | None:
+        """The policy's view of a live program, with its identity's source and parent."""
+        view = router.policy.describe(program_id, now)
+        return None if view is None else {**view, **router.sessions.of(program_id)}
+
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request) -> dict[str, Any]:
+        auth.admin(request.headers)
+        return {"object": "list", "data": router.sessions.view()}
 
     # applications (agent graphs: mori+space) ---------------------------------------------
     def graphs_policy() -> Any:

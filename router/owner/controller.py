@@ -22,6 +22,7 @@ from router.engines.replicas import HintsUnsupported, Replica, make_replicas, ma
 from router.owner.gate import Gate
 from router.owner.metrics import RouterMetrics
 from router.owner.reconcile import parse_residency, reconcile
+from router.owner.sessions import Sessions
 from router.policy import Policy, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity, Status, Tier
@@ -78,6 +79,7 @@ class Router:
         self._observe = getattr(self.policy, "observe", None)
         self._actions = getattr(self.policy, "runtime_actions", None)
         self.anchors = AnchorBook()
+        self.sessions = Sessions()
         self._scores: dict[str, dict] = {}  # replica -> latest survival scores to push
         self._agents: dict[str, dict[str, str]] = {}  # replica -> program agents to push
         self._warming: set[str] = set()  # replicas with a warm-up in flight
@@ -156,6 +158,16 @@ class Router:
         """Whether requests' anchors must reach the owner (a runtime-layer policy warms
         them); the workers leave them out of the ticket otherwise."""
         return self._observe is not None
+
+    def identify(self, ticket: Ticket) -> Ticket:
+        """File the request's program in the sessions book: the ticket comes back with its
+        parent (the one it named, else its session's main program). Session headers it
+        sent that could not be used are counted."""
+        if ticket.identity is not None:
+            for header in ticket.identity.ignored:
+                self.metrics.count(self.metrics.identity_ignored, header)
+        parent = self.sessions.admit(ticket.program_id, ticket.identity, ticket.parent)
+        return ticket if parent == ticket.parent else ticket._replace(parent=parent)
 
     def observe_request(self, ticket: Ticket) -> None:
         """Tell a runtime-layer policy who is asking (before `on_request`)."""

@@ -70,6 +70,7 @@ class Exchange:
 
     async def run(self) -> ApiError | None:
         r, pid = self.router, self.ticket.program_id
+        self.ticket = r.identify(self.ticket)
         r.in_flight += 1
         try:
             deadline = self.ticket.arrival + r.config.gate_timeout_s
@@ -121,7 +122,7 @@ class Exchange:
         r.observe_request(self.ticket)
         segments = as_policy(self.ticket.segments)
         for _ in range(r.config.max_retries + 1):
-            policy.on_prompt(pid, segments, self.ticket.round)
+            policy.on_prompt(pid, segments, self.ticket.round, self.ticket.hints)
             try:
                 moves = policy.on_request(pid, r.clock(), tokens)
             except ValueError as e:  # a second request in flight despite the turn lock

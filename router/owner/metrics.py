@@ -21,6 +21,7 @@ from prometheus_client import (
 from router.policy.base import Policy
 from router.policy.types import Move, Placement, Tier
 from router.protocol.accounting import Usage
+from router.protocol.identity import SESSION_HEADERS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 START_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)  # a start may wait long
@@ -144,6 +145,14 @@ class RouterMetrics:
             ["replica", "source"],
             registry=r,
         )
+        self.identity_ignored = Counter(
+            "mori_identity_ignored",
+            "session headers ignored as unusable identities (not a label), by header",
+            ["header"],
+            registry=r,
+        )
+        for _, header in SESSION_HEADERS:  # every series from the start, at 0
+            self.identity_ignored.labels(header)
         self.hint_pushes = Counter(
             "mori_hint_pushes", "hint batches pushed", ["replica", "result"], registry=r
         )

@@ -120,6 +120,8 @@ class Relay:
                 prepared.app,
                 prepared.segments,
                 prepared.round,
+                prepared.identity,
+                prepared.hints,
             )
             await self._exchange(ticket, prepared, [JSON, *forward])
         except ApiError as e:

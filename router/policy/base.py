@@ -4,7 +4,7 @@ A policy is pure: it is driven by events carrying `now` (an injected clock) and
 answers with `Move`s; it never sleeps, awaits or does I/O. The live router, the
 simulator and the tests all drive it the same way:
 
-    policy.on_prompt(pid, segments, round_id)             # what the prompt holds (optional)
+    policy.on_prompt(pid, segments, round_id, hints)      # what the request holds (optional)
     moves = policy.on_request(pid, now, prompt_tokens)   # request arrives
     replica = policy.route(pid)                           # None: the gate holds it
     ...                                                   # forward when routed
@@ -31,7 +31,9 @@ from router.policy.program import Program
 from router.policy.rounds import Rounds
 from router.policy.tiers import Tiers
 from router.policy.types import (
+    NO_HINTS,
     WAITING,
+    AgentHints,
     EngineMode,
     Hint,
     Move,
@@ -133,7 +135,8 @@ class Policy(ABC):
         self.prices: dict[str, ReplicaPrices] = {}  # replica -> measured move costs
         self._leases: list[tuple[float, str]] = []  # (last activity, program): lease expiry
         self.rounds = Rounds()  # All-Gather rounds and the segments their prompts share
-        self._prompts: dict[str, tuple[tuple[Segment, ...], str | None]] = {}  # next request's
+        # the next request's segments, round and agent hints (on_prompt)
+        self._prompts: dict[str, tuple[tuple[Segment, ...], str | None, AgentHints]] = {}
 
     @property
     def engine_mode(self) -> EngineMode:
@@ -194,13 +197,18 @@ class Policy(ABC):
 
     # program events ---------------------------------------------------------------
     def on_prompt(
-        self, program_id: str, segments: Sequence[Segment], round_id: str | None = None
+        self,
+        program_id: str,
+        segments: Sequence[Segment],
+        round_id: str | None = None,
+        hints: AgentHints = NO_HINTS,
     ) -> None:
         """What the next request of `program_id` holds (the shell calls it just before
-        `on_request`): its prompt's segments, one per message, and its round if the
-        application names one. `on_request` then counts the segments the engine shares
-        once per replica (`Tiers.share`) and files the program in its round (`Rounds`)."""
-        self._prompts[program_id] = (tuple(segments), round_id)
+        `on_request`): its prompt's segments, one per message, its round if the
+        application names one, and its agent hints. `on_request` then counts the segments
+        the engine shares once per replica (`Tiers.share`), files the program in its round
+        (`Rounds`) and gives it the request's priority and expected output length."""
+        self._prompts[program_id] = (tuple(segments), round_id, hints)
 
     def on_request(
         self, program_id: str, now: float, context_tokens: int | None = None
@@ -219,9 +227,12 @@ class Policy(ABC):
         if context_tokens is not None:
             self.tiers.resize(p, int(context_tokens))
         prompt = self._prompts.pop(program_id, None)
+        hints = NO_HINTS
         if prompt is not None:
             self.tiers.share(p, prompt[0])
             self.rounds.join(program_id, prompt[0], prompt[1], now)
+            hints = prompt[2]
+        p.priority, p.osl = hints.priority, hints.osl  # a request's hints are its own
         self._held.pop(program_id, None)  # re-queue at the back: arrival order is FIFO order
         self._held[program_id] = p
         return self._admit(p, now)
@@ -376,6 +387,8 @@ class Policy(ABC):
             "recent_cycles": [{"reasoning_s": r, "acting_s": a} for r, a in p.cycles],
             "last_tool": tool,
             "agent": agent,
+            "priority": p.priority,  # its current (or last) request's agent hints
+            "osl": p.osl,
             **self._describe_round(program_id),
         }
 

@@ -181,11 +181,12 @@ class MoriPolicy(PricedPolicy):
         return self.tiers.enough(acting, needed)
 
     def _let_in(self, now: float) -> list[Move]:
-        """Starts at the door, in the order they first asked, onto replicas where no step in
+        """Starts at the door, in the order they first asked (a client's `priority` first),
+        onto replicas where no step in
         flight waits and the programs in flight leave load to spare (`_load`): into free
         room, where each program would have the most (as any new program), else in place
         of programs in tool calls whose move pays."""
-        starts = self.door.held()
+        starts = sorted(self.door.held(), key=lambda p: -p.priority)  # stable: door order
         if not starts:
             return []
         closed = {p.last_replica for p in self._waiting_in_flight()}

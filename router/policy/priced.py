@@ -390,17 +390,18 @@ class PricedPolicy(MoriPaperPolicy):
 
     def _rank(self, now: float) -> Callable[[Program], tuple]:
         """The promotion order of a held request: the paper's classes (CPU with a request,
-        returning, new); within 1 and 2 the most GPU activity per token of room first
-        (`_activity_density`), within 3 smallest first. Fixed while a request is held (a
-        held program's idleness does not move)."""
+        returning, new); within a class the client's priority first (agent hints), then
+        within 1 and 2 the most GPU activity per token of room (`_activity_density`),
+        within 3 smallest first. Fixed while a request is held (a held program's idleness
+        does not move)."""
         density = self._activity_density(self._ranking(now))
 
         def rank(p: Program) -> tuple:
             if p.placement.tier is Tier.CPU:
-                return (0, density(p), 0)
+                return (0, -p.priority, density(p), 0)
             if p.steps > 0:
-                return (1, density(p), 0)
-            return (2, p.context_tokens, 0)
+                return (1, -p.priority, density(p), 0)
+            return (2, -p.priority, p.context_tokens, 0)
 
         return rank
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from router.replay.client import Replay, ReplayConfig
+from router.replay.client import IDENTITIES, Replay, ReplayConfig
 from router.replay.records import RunResult, StepRecord
 from router.replay.trace import TraceError, TraceProgram, load_trace
 
@@ -56,6 +56,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="corpus order and start jitter")
     parser.add_argument("--model", help="model name to request (default: the endpoint's first)")
     parser.add_argument("--api-key", default="none", help="API key for the endpoint")
+    parser.add_argument(
+        "--identity",
+        choices=IDENTITIES,
+        default="program-id",
+        help="how requests name their program: program-id in the body (default), none (the "
+        "router fingerprints the conversation), or a harness's session header shared by a "
+        "root program and its subagents, nothing in the body (claude-code: "
+        "X-Claude-Code-Session-Id, codex: session-id, opencode: x-opencode-session)",
+    )
     parser.add_argument(
         "--json",
         dest="json_out",
@@ -142,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             cpu_ratio=args.cpu_ratio,
             model=args.model,
             api_key=args.api_key,
+            identity=args.identity,
         )
     except (TraceError, ValueError) as e:
         console.print(f"[red]mori replay: {e}[/red]")

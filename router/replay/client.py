@@ -30,6 +30,7 @@ import httpx
 import openai
 
 from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
+from router.protocol.identity import namespace
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
@@ -38,6 +39,15 @@ from router.replay.trace import TraceProgram, TraceStep
 
 UTIL_SAMPLE_S = 1.0  # wall seconds between GPU-utilisation samples
 RETRIES = ClientRetries()  # the SDKs' defaults (the SDK's own retries are off: max_retries=0)
+# How requests name their program (`--identity`): `program-id` in the body (and the parent
+# in X-Parent-Id), `none` not at all (the router fingerprints), or as a harness does: its
+# session header, the root program's value shared by its subagents, nothing in the body.
+SESSION_HEADERS = {
+    "claude-code": "X-Claude-Code-Session-Id",
+    "codex": "session-id",
+    "opencode": "x-opencode-session",
+}
+IDENTITIES = ("program-id", "none", *SESSION_HEADERS)
 
 
 @dataclass(frozen=True)
@@ -57,8 +67,11 @@ class ReplayConfig:
     start_jitter_s: float = 5.0  # trace seconds over which clients start
     request_timeout_s: float = 600.0
     programs: int | None = None  # stop early once this many main programs have finished
+    identity: str = "program-id"  # how requests name their program (IDENTITIES)
 
     def __post_init__(self) -> None:
+        if self.identity not in IDENTITIES:
+            raise ValueError(f"identity must be one of {', '.join(IDENTITIES)}: {self.identity}")
         checks = {
             "concurrency": self.concurrency >= 1,
             "duration_s": self.duration_s > 0,
@@ -86,21 +99,24 @@ class _Instance:
     program: TraceProgram
     parent: _Instance | None = None
     conversation: Conversation = field(init=False)
+    routed: str | None = None  # the program id the router answered with (x-mori-program-id)
 
     @property
     def session(self) -> str:
         """The task: the pid of the root program it runs under."""
         return self.parent.session if self.parent else self.pid
 
-    @property
-    def headers(self) -> dict[str, str]:
-        """The agent role and the parent program, for a router's agent runtime layer
-        (CacheSage); engines ignore them."""
+    def headers(self, identity: str) -> dict[str, str]:
+        """The agent role and the app, for a router's agent runtime layer (CacheSage;
+        engines ignore them), and the program's identity as `identity` has it sent: with
+        `program-id` its parent (X-Parent-Id), as a harness its session header."""
         out = {}
         if self.program.agent:
             out["X-Agent-Role"] = self.program.agent
-        if self.parent is not None:
+        if identity == "program-id" and self.parent is not None:
             out["X-Parent-Id"] = self.parent.pid
+        elif identity in SESSION_HEADERS:
+            out[SESSION_HEADERS[identity]] = self.session
         if self.program.app:
             out["X-App-Id"] = self.program.app
         return out
@@ -151,7 +167,11 @@ class Replay:
         self._t0 = 0.0
         self._util: list[float] = []
         self._tasks: set[asyncio.Task] = set()
-        self._live: set[str] = set()  # programs started and not ended
+        self._live: dict[str, _Instance] = {}  # programs started and not ended
+        # per replayed program: the program ids the router answered with, and its parent's
+        # pid (how the router's view of programs is checked against the trace's)
+        self.routed: dict[str, set[str]] = {}
+        self.parents: dict[str, str | None] = {}
         self._handoffs: dict[tuple[str, str, int], asyncio.Event] = {}  # steps that ended
         self._apps: set[str] = set()  # app graphs registered with the router
         self._crash: BaseException | None = None
@@ -248,7 +268,7 @@ class Replay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        ends = (self._tell(pid, "end") for pid in self._live)
+        ends = (self._tell(me, "end") for me in self._live.values())
         await asyncio.gather(*ends, return_exceptions=True)
 
     async def _first_model(self) -> str:
@@ -272,6 +292,7 @@ class Replay:
     async def _program(self, program: TraceProgram, parent: _Instance | None = None) -> None:
         pid = f"{self.run_tag}-{program.program_id}.{self.corpus.next_instance()}"
         me = _Instance(pid, program, parent)
+        self.parents[pid] = parent.pid if parent is not None else None
         if program.graph and program.app not in self._apps:
             self._apps.add(program.app)  # type: ignore[arg-type]
             await self._register(program.app, program.graph)  # type: ignore[arg-type]
@@ -283,7 +304,7 @@ class Replay:
             pid, program.agent, program.anchor_tokens, self.config.seed, program.inherit_tokens
         )
         me.conversation.inherit(inherited)
-        self._live.add(pid)
+        self._live[pid] = me
         for i, step in enumerate(program.steps):
             await self._hand_over(me, step)
             reused = step.reused_tokens if i else 0
@@ -295,14 +316,20 @@ class Replay:
             me.conversation.record_answer(await self._step(me, step, messages))
             self._handoff_event(me.session, program.program_id, i).set()
             if i + 1 < len(program.steps) and step.tool:
-                await self._tell(pid, "tool_start", {"tool": step.tool}, me.headers)
+                headers = me.headers(self.config.identity)
+                await self._tell(me, "tool_start", {"tool": step.tool}, headers)
             if not (i + 1 < len(program.steps) and program.steps[i + 1].after):
                 await self._sleep_trace(step.tool_s)  # a hand-over is waited for, not slept
-        self._live.discard(pid)
         if parent is None:
             self._handoffs = {k: v for k, v in self._handoffs.items() if k[0] != me.session}
-        self._spawn(self._tell(pid, "end"))
+        self._spawn(self._end(me))
         self.progress.programs_done += 1
+
+    async def _end(self, me: _Instance) -> None:
+        """Tell the router the program ended; it stays live until told, so a run that
+        stops first (cancelling this) ends it in `_cancel_all`."""
+        await self._tell(me, "end")
+        self._live.pop(me.pid, None)
 
     async def _subagent(self, program: TraceProgram, parent: _Instance) -> None:
         if not program.steps[0].after:  # starts on a hand-over, not at a nominal time
@@ -332,14 +359,19 @@ class Replay:
             )
 
     async def _tell(
-        self, pid: str, action: str, body: dict | None = None, headers: dict | None = None
+        self, me: _Instance, action: str, body: dict | None = None, headers: dict | None = None
     ) -> None:
         """Tell a router what the agent does next: the tool call a step ends in (a real
         agent's answer names it in `tool_calls`; the replayed answer cannot, so the trace's
         tool is told the way an agent without tool calls would), or the program's end.
         Skipped for an engine itself; a failure is ignored (the router's lease covers it).
-        With the API key: a router that checks keys refused these before."""
-        if self.labels[0] == "direct":
+        With the API key: a router that checks keys refused these before. Without a
+        `program_id` in the body the program is the one the router answered with, less the
+        key's namespace (the router adds it to the ids a client names)."""
+        pid = me.pid
+        if self.config.identity != "program-id":
+            pid = (me.routed or "").removeprefix(namespace(self.config.api_key))
+        if self.labels[0] == "direct" or not pid:
             return
         url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/{action}"
         headers = {**(headers or {}), **self._auth}
@@ -365,10 +397,17 @@ class Replay:
                     max_tokens=max(1, step.output_tokens),
                     stream=True,
                     stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
-                    extra_headers={**me.headers, **self._round(me, step)},
+                    extra_body={
+                        "ignore_eos": True,
+                        CACHE_DETAILS_FLAG: True,
+                        **self._program_id(me),
+                    },
+                    extra_headers={**me.headers(self.config.identity), **self._round(me, step)},
                 )
                 replica = raw.headers.get("x-mori-replica")
+                me.routed = raw.headers.get("x-mori-program-id") or me.routed
+                if me.routed is not None:
+                    self.routed.setdefault(pid, set()).add(me.routed)
                 async for chunk in raw.parse():
                     if chunk.choices and chunk.choices[0].delta.content:
                         if first is None:
@@ -425,6 +464,10 @@ class Replay:
         delay = RETRIES.delay_s(tries.retries, after, self._retry_rng)
         tries.retries += delay is not None
         return delay
+
+    def _program_id(self, me: _Instance) -> dict[str, str]:
+        """The body's `program_id`, sent only with `--identity program-id`."""
+        return {"program_id": me.pid} if self.config.identity == "program-id" else {}
 
     @staticmethod
     def _round(me: _Instance, step: TraceStep) -> dict[str, str]:
