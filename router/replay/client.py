@@ -91,9 +91,10 @@ class _Instance:
 
     @property
     def headers(self) -> dict[str, str]:
-        """The agent role and the parent program, for a router's agent runtime layer
-        (CacheSage); engines ignore them."""
-        out = {}
+        """The program (also in the body: the header lets a proxy in front hash it without
+        reading the body, docs/deployment.md), the agent role and the parent program, for a
+        router's agent runtime layer (CacheSage); engines ignore them."""
+        out = {"X-Program-Id": self.pid}
         if self.program.agent:
             out["X-Agent-Role"] = self.program.agent
         if self.parent is not None:
