@@ -78,11 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_once(
-    args: argparse.Namespace, kill: bool, check: Callable[[Pair, list[str]], None] | None = None
-) -> Outcome:
+Check = Callable[[Pair, list[str], "Outcome"], None]
+
+
+def run_once(args: argparse.Namespace, kill: bool, check: Check | None = None) -> Outcome:
     """One replay through the pair; with `kill`, the primary is killed at `kill_at`.
-    `check(pair, replicas)` runs after the replay, before the stack stops."""
+    `check(pair, replicas, outcome)` runs after the replay, before the stack stops."""
     trace, scale = pick_trace(None, args.token_scale)
     logs = Path(args.logs) / ("kill" if kill else "none")
     logs.mkdir(parents=True, exist_ok=True)
@@ -107,7 +108,7 @@ def run_once(
             if not (kill and name == "primary")
         }
         if check is not None:
-            check(pair, replicas)
+            check(pair, replicas, outcome)
     return outcome
 
 
