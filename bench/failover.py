@@ -11,8 +11,9 @@ Reported, side by side with the run without a kill (same seed, same corpus order
 - failover: from the kill to the first token of the first request sent after it (what a
   client sees), and the router's own takeover (`mori_takeover_seconds`: the residency
   read, the fencing epoch and the full hint sync on the standby);
-- streams cut by the kill (in flight at it) and how they ended (the client's error, and
-  the longest time from the kill to their end: no hang);
+- streams in flight at the kill, those it cut (they end with the client's error: HAProxy
+  ends them without the chunked body's last chunk) and the longest time from the kill to
+  the end of any of them (no hang);
 - requests that failed after the kill, before and after the takeover;
 - KV affinity: of the programs the replicas held at the kill, the share whose next
   request went to the replica that held their KV, and the prompt share those requests found
@@ -173,9 +174,9 @@ def _across_the_kill(records: list[StepRecord], killed: dict, scale: float) -> d
     window = HIT_WINDOW_S * scale
     return {
         "failover_s": (first - at) / scale,
-        "cut_streams": len(cut),
-        "cut_streams_failed": len(cut_failed),
-        "cut_streams_ended_within_s": max(((r.finish_s - at) / scale for r in cut), default=0),
+        "in_flight_at_kill": len(cut),
+        "cut_by_the_kill": len(cut_failed),  # ended with the client's error
+        "in_flight_ended_within_s": max(((r.finish_s - at) / scale for r in cut), default=0),
         "failed_before_takeover": sum(not r.ok for r in after if r.arrival_s < takeover_at),
         "failed_after_takeover": sum(not r.ok for r in after if r.arrival_s >= takeover_at),
         "programs_held": len(held),

@@ -69,8 +69,9 @@ def test_kill_9_of_the_active_router_under_20_streaming_programs():
     facts = outcome.facts
     print(facts, outcome.errors)
     assert facts["failover_s"] < 5.0
-    assert facts["cut_streams"] >= 5 and facts["cut_streams_failed"] == facts["cut_streams"]
-    assert facts["cut_streams_ended_within_s"] < 2.0  # ended at the kill, no hang
+    assert facts["cut_by_the_kill"] >= 5  # 20 programs: most are streaming at any time
+    assert facts["in_flight_ended_within_s"] < 2.0  # every stream ended at the kill: no hang
+    assert set(outcome.errors) <= {"APIConnectionError", "InternalServerError 502"}
     assert facts["failed_after_takeover"] == 0
     assert facts["programs_held"] >= 15
     assert facts["affinity"] >= 0.95

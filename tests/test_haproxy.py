@@ -40,7 +40,8 @@ def test_the_configs_parse():
 
 
 def test_kill_9_of_the_active_router_fails_over_with_the_kv_kept():
-    """The primary serves a program; kill -9 takes its whole process group; the next
+    """The primary serves a program; kill -9 takes its whole process group: a stream it was
+    relaying raises in the client at once; the next
     request through the proxy is served by the standby within 5 s, on the replica that
     holds the program's KV, with a cache hit. The primary restarted stays the standby:
     traffic does not fail back (each switch is a takeover) and it pushes nothing."""
@@ -53,8 +54,15 @@ def test_kill_9_of_the_active_router_fails_over_with_the_kv_kept():
         assert _health(pair.primary)["role"] == "active"
         assert _health(pair.standby)["role"] == "standby"
 
+        long = chat("long", "go", max_tokens=4000, extra_body={"ignore_eos": True})
+        stream = c.chat.completions.create(**long, stream=True)
+        next(iter(stream))  # streaming through the primary
         pair.kill("primary")
         killed = time.monotonic()
+        with pytest.raises(openai.APIConnectionError):  # cut: an error, not a silent end
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed < 1.0  # at once, no hang
         details = {"return_cached_tokens_details": True}
         # as an agent's SDK does by default: a request caught in the ~0.2 s before HAProxy
         # marks the router down may fail once, and is retried

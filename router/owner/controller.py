@@ -504,7 +504,9 @@ class Router:
         self.metrics.takeovers.inc()
         self.metrics.takeover_seconds.observe(took)
         self.metrics.active.set(1)
-        log.warning(
+        quiet = not self.config.standby and self._terms == 1  # a lone router's start
+        log.log(
+            logging.INFO if quiet else logging.WARNING,
             "active: took over at epoch %d in %.3f s (%d programs adopted from the replicas)",
             self.epoch,
             took,
