@@ -69,7 +69,7 @@ def test_kill_9_of_the_active_router_under_20_streaming_programs():
     facts = outcome.facts
     print(facts, outcome.errors)
     assert facts["failover_s"] < 5.0
-    assert facts["cut_by_the_kill"] >= 5  # 20 programs: most are streaming at any time
+    assert facts["cut_by_the_kill"] >= 3  # 20 programs: several are streaming at any time
     assert facts["in_flight_ended_within_s"] < 2.0  # every stream ended at the kill: no hang
     assert set(outcome.errors) <= {"APIConnectionError", "InternalServerError 502"}
     assert facts["failed_after_takeover"] == 0
