@@ -172,7 +172,7 @@ def test_cells_keep_programs_in_one_cell_and_a_third_cell_moves_few():
     moved = [p for p in seen if before[p] != after[p]]
     share = len(moved) / len(seen)
     sample_share = sum(before[p] != after[p] for p in sample) / len(sample)
-    counts = {c: sum(v == c for v in before.values()) for c in ("cell-0", "cell-1")}
+    counts = {c: sum(before[p] == c for p in seen) for c in ("cell-0", "cell-1")}
     print(f"programs {len(seen)}, in two cells {len(split)}, per cell {counts}, "
           f"steps {len(run.records)}, failed {result.extra['failed_steps']}, "
           f"moved by a third cell {len(moved)} ({share:.1%}; of {len(sample)} ids named "
