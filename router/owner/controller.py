@@ -456,10 +456,11 @@ class Router:
             if not isinstance(doc, BaseException)
         }
 
-    def _reconciled(self, docs: dict[str, Any]) -> Outcome:
-        """Reconcile the tiers with the residency `docs`; log and count what changed."""
+    def _reconciled(self, docs: dict[str, Any], waiting: bool = False) -> Outcome:
+        """Reconcile the tiers with the residency `docs` (`waiting`: a takeover, which adopts
+        the programs held in WAITING too); log and count what changed."""
         views = {url: parse_residency(url, doc) for url, doc in docs.items()}
-        outcome = reconcile(self.policy, views, self.clock())
+        outcome = reconcile(self.policy, views, self.clock(), waiting)
         if outcome.adopted or outcome.lost:
             log.warning(
                 "residency: adopted %d programs the engines hold, %d CPU-tier programs "
@@ -492,7 +493,7 @@ class Router:
         adopted = 0
         if self.policy.sends_hints:
             docs = await self._residency()
-            adopted = len(self._reconciled(docs).adopted)
+            adopted = len(self._reconciled(docs, waiting=True).adopted)
             self.epoch = epoch_above(reported_epoch(doc) for doc in docs.values())
             self._fenced = False
             await self.sync_hints(full=True)  # the replicas refuse every older epoch now
