@@ -73,6 +73,10 @@ class RouterConfig(BaseModel):
     port: int = Field(default=8000, ge=1, le=65535)
     workers: int | None = Field(default=None, ge=1)  # data-plane processes; None: the cores
     policy: str = "mori"
+    # Start as a standby: steer nothing until traffic arrives, then take over from the
+    # replicas' residency with a fencing epoch (router/owner/leadership.py). Both routers of
+    # an active/standby pair run with it (docs/deployment.md).
+    standby: bool = False
     # policy knobs: the same names, defaults and meaning as PolicyConfig (docs/policy.md)
     tick_s: float = Field(default=_POLICY.tick_s, gt=0)
     window: int = Field(default=_POLICY.window, ge=1)

@@ -43,6 +43,21 @@ def test_unknown_programs_are_adopted_on_the_tier_their_hint_names():
     assert reconcile(policy, views, now=11.0).adopted == {}  # known now: nothing to do
 
 
+def test_a_takeover_adopts_waiting_programs_with_their_home():
+    """`inactive` programs that still hold KV: left alone by the periodic check (often ended
+    ones), adopted into WAITING at a takeover with the replica holding them as their home."""
+    views = {
+        "r0": {"w": Held("r0", 0, 800, Hint.INACTIVE)},
+        "r1": {"w": Held("r1", 0, 100, Hint.INACTIVE)},
+    }
+    assert reconcile(_policy(), views, now=1.0).adopted == {}
+    policy = _policy()
+    assert reconcile(policy, views, now=1.0, waiting=True).adopted == {"w": WAITING}
+    p = policy.programs["w"]
+    assert p.last_replica == "r0" and p.context_tokens == 800 and not p.is_new
+    assert policy.tiers.used(Placement(GPU, "r0")) == policy.tiers.used(Placement(CPU, "r0")) == 0
+
+
 def test_a_cpu_tier_program_whose_host_copy_is_gone_leaves_the_tier():
     policy = _policy()
     reconcile(policy, {"r0": {"b": Held("r0", 0, 700, Hint.IDLE)}}, now=1.0)

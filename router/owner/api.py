@@ -73,14 +73,16 @@ def create_app(
             return program_id
         return identity.namespace(auth.client(request.headers)) + program_id
 
-    def known(program_id: str) -> None:
+    async def known(program_id: str) -> None:
+        """A program event is traffic: a standby takes over first (router/owner/leadership.py)."""
+        await router.ensure_active()
         if program_id not in router.policy.programs:
             raise ApiError(404, f"no live program {program_id!r}", param="program_id")
 
     @app.post("/v1/programs/{program_id:path}/end")
     async def end_program(request: Request, program_id: str) -> dict[str, Any]:
         pid = program_of(request, program_id)
-        known(pid)
+        await known(pid)
         router.end_program(pid)
         return {"program_id": pid, "ended": True}
 
@@ -97,7 +99,7 @@ def create_app(
         if predict is not None and (not _number(predict) or predict < 0):
             raise ApiError(400, "`predict_time` must be a number of seconds >= 0", "predict_time")
         agent = agent_role(body.get("agent"), request_hints(request.headers, None).agent)
-        known(pid)
+        await known(pid)
         router.tool_event(
             pid, lambda now: router.policy.on_tool_start(pid, now, tool, agent, predict)
         )
@@ -106,7 +108,7 @@ def create_app(
     @app.post("/v1/programs/{program_id:path}/tool_end")
     async def tool_end(request: Request, program_id: str) -> dict[str, Any]:
         pid = program_of(request, program_id)
-        known(pid)
+        await known(pid)
         router.tool_event(pid, lambda now: router.policy.on_tool_end(pid, now))
         return {"program_id": pid}
 
@@ -202,7 +204,7 @@ def create_app(
     async def replicas(request: Request) -> dict[str, Any]:
         auth.admin(request.headers)
         data = [replica_view(router, url) for url in router.replicas]
-        return {"object": "list", "policy": router.policy.name, "data": data}
+        return {"object": "list", "policy": router.policy.name, **role(router), "data": data}
 
     # operations --------------------------------------------------------------------------
     @app.get("/health")
@@ -210,6 +212,7 @@ def create_app(
         healthy = len(router.policy.tiers.replicas())
         status = 200 if healthy else 503
         body = {"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy}
+        body.update(role(router))
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
@@ -219,6 +222,11 @@ def create_app(
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
     return app
+
+
+def role(router: Router) -> dict[str, Any]:
+    """Whether this router steers the replicas now, and its last hint epoch."""
+    return {"role": "active" if router.active else "standby", "epoch": router.epoch}
 
 
 def replica_view(router: Router, url: str) -> dict[str, Any]:

@@ -56,6 +56,17 @@ def deferred(retry_s: float) -> ApiError:
     )
 
 
+def standing_by() -> ApiError:
+    """This router stepped down (another one took over): the client retries through the
+    proxy, which sends it to the active router."""
+    return ApiError(
+        503,
+        "this router is standing by: another router steers the replicas now; retry",
+        code="router_standby",
+        headers={"retry-after": "1"},
+    )
+
+
 class Exchange:
     """The owner's side of one request: returns the error to answer, or None."""
 
@@ -73,6 +84,7 @@ class Exchange:
         self.ticket = r.identify(self.ticket)
         r.in_flight += 1
         try:
+            await r.ensure_active()
             deadline = self.ticket.arrival + r.config.gate_timeout_s
             if not r.gate.enter(pid):
                 await r.gate.wait_turn(pid, deadline)
@@ -122,6 +134,8 @@ class Exchange:
         r.observe_request(self.ticket)
         segments = as_policy(self.ticket.segments)
         for _ in range(r.config.max_retries + 1):
+            if not r.active:
+                raise standing_by()
             policy.on_prompt(pid, segments, self.ticket.round, self.ticket.hints)
             try:
                 moves = policy.on_request(pid, r.clock(), tokens)
@@ -179,6 +193,8 @@ class Exchange:
         held_from = r.clock()
 
         def route() -> str | None:
+            if not r.active:  # stepped down while it waited
+                raise standing_by()
             url = r.policy.route(pid)
             if url is None and not r.reachable():  # nothing will place it: say so now
                 raise unreachable(r.config.health_interval_s)

@@ -179,6 +179,25 @@ class RouterMetrics:
             ["replica", "reason"],
             registry=r,
         )
+        self.active = Gauge(
+            "mori_router_active",
+            "1 while this router steers the replicas, 0 while it stands by",
+            registry=r,
+        )
+        self.takeovers = Counter(
+            "mori_takeovers", "times this router became the active one", registry=r
+        )
+        self.takeover_seconds = Histogram(
+            "mori_takeover_seconds",
+            "residency read, fencing epoch and full hint sync of one takeover",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_downs = Counter(
+            "mori_step_downs",
+            "times a replica refused this router's hint batch (another router took over)",
+            registry=r,
+        )
         self.tick_seconds = Histogram(
             "mori_tick_seconds",
             "time spent in one policy tick",
@@ -228,7 +247,7 @@ class RouterMetrics:
     def add_replica(self, replica: str) -> None:
         """Create every per-replica series at zero, so dashboards and alerts see them at once."""
         self.replica_healthy.labels(replica).set(1)
-        for result in ("ok", "error", "unsupported"):
+        for result in ("ok", "error", "unsupported", "stale"):
             self.hint_pushes.labels(replica, result)
         self.hint_unsupported.labels(replica)
         for reason in EJECTION_REASONS:

@@ -8,8 +8,11 @@ hints. Reconciliation reads each replica's residency and
 - adopts the programs the router does not know: a program the engine holds (any tokens, hint
   not `inactive`) joins the tier its hint names on that replica (`busy` -> GPU, `idle` -> CPU)
   as an acting program with the context the engine holds, so a restarted router rebuilds the
-  previous one's tiers and routes each program back to its KV (the first step toward a
-  standby router taking over);
+  previous one's tiers and routes each program back to its KV; a router taking over
+  (router/owner/leadership.py) also adopts the programs whose hint is `inactive` but whose KV
+  is still there, into WAITING with that replica as their home: the last active held them
+  in WAITING, and their next request should find their KV as it would have there (the
+  periodic check leaves those alone: they are ended programs as often as waiting ones);
 - drops the router's belief in KV that is gone: an acting CPU-tier program whose replica
   holds none of its tokens any more moves to WAITING (its next request is placed afresh,
   instead of being promoted for a host copy that no longer exists).
@@ -68,9 +71,12 @@ def parse_residency(replica: str, doc: Any) -> dict[str, Held]:
     return out
 
 
-def reconcile(policy: Policy, views: Mapping[str, Mapping[str, Held]], now: float) -> Outcome:
+def reconcile(
+    policy: Policy, views: Mapping[str, Mapping[str, Held]], now: float, waiting: bool = False
+) -> Outcome:
     """Bring the policy's tiers in line with the replicas' residency (`views`: replica ->
-    program -> Held, for the replicas that answered)."""
+    program -> Held, for the replicas that answered); `waiting`: adopt `inactive` programs
+    that hold KV too (a takeover)."""
     best: dict[str, Held] = {}
     for held_here in views.values():
         for pid, held in held_here.items():
@@ -80,7 +86,7 @@ def reconcile(policy: Policy, views: Mapping[str, Mapping[str, Held]], now: floa
         pid: _adopt(policy, pid, held, now)
         for pid, held in best.items()
         if pid not in policy.programs
-        and held.hint in _TIER_OF_HINT
+        and (held.hint in _TIER_OF_HINT or waiting)
         and policy.tiers.healthy.get(held.replica, False)
     }
     lost = [
@@ -101,12 +107,14 @@ _NOTHING = Held("", 0, 0, Hint.INACTIVE)
 
 def _adopt(policy: Policy, pid: str, held: Held, now: float) -> Placement:
     """A program the engine holds and the router does not know: an acting program with one
-    completed step (not new), on the tier its last hint named."""
+    completed step (not new), on the tier its last hint named (WAITING for `inactive`, its
+    home the replica holding it)."""
     p = Program(pid, created_s=now, window=policy.config.window)
     p.steps = 1
     p.context_tokens = held.tokens
     p.last_replica = held.replica
     policy.programs[pid] = p
-    place = Placement(_TIER_OF_HINT[held.hint], held.replica)
+    tier = _TIER_OF_HINT.get(held.hint)
+    place = WAITING if tier is None else Placement(tier, held.replica)
     policy.tiers.place(p, place)
     return place

@@ -109,8 +109,10 @@ class _Instance:
     def headers(self, identity: str) -> dict[str, str]:
         """The agent role and the app, for a router's agent runtime layer (CacheSage;
         engines ignore them), and the program's identity as `identity` has it sent: with
-        `program-id` its parent (X-Parent-Id), as a harness its session header."""
-        out = {}
+        `program-id` the program (`X-Program-Id` too: a proxy in front hashes it without
+        reading the body, docs/deployment.md) and its parent (X-Parent-Id), as a harness
+        its session header."""
+        out = {"X-Program-Id": self.pid} if identity == "program-id" else {}
         if self.program.agent:
             out["X-Agent-Role"] = self.program.agent
         if identity == "program-id" and self.parent is not None:

@@ -347,8 +347,8 @@ class EmulatedReplica:
         scores: dict[str, float] | None = None,
         agents: dict[str, str] | None = None,
     ) -> dict:
-        if epoch < self.epoch:
-            return {"epoch": epoch, "stale": True, "residency": {}}
+        if epoch < self.epoch:  # a router that took over before the last one: refused
+            return {"epoch": self.epoch, "stale": True, "residency": {}}
         self.epoch = epoch
         typed = {pid: Hint(h) for pid, h in hints.items()}
         residency = self.engine.apply_hints(typed, self._clock(), full)
@@ -369,6 +369,7 @@ class EmulatedReplica:
             **self.engine.usage(),
             "device_active_token_seconds": self._active_area,
             "engine_time_s": self._area_t,
+            "epoch": self.epoch,
             "programs": self.engine.programs(),
             "anchor_scores": dict(self.engine.tree.scores),
         }
