@@ -3,10 +3,11 @@ only paths that exist.
 
 Layers of the router, top to bottom (each `router/*/__init__.py` says the same in words):
 entry points (`cli`, `serve`, `demo`) -> `owner` -> `plane` -> `engines`, `protocol` ->
-`wire`; `config` reads `policy` and the hardware presets of `sim`; the tools `sim` and
-`replay` stand on `policy` and speak only what an engine or a client speaks of the shell;
-the pure `policy` core imports nothing of the project. Imports inside `if TYPE_CHECKING:`
-are annotations only and do not count.
+`wire`; `config` reads `policy` and the hardware `presets`; the tools `sim` and `replay`
+stand on `policy` (and `sim` on `presets`) and speak only what an engine or a client
+speaks of the shell; the pure `policy` core and `presets` import nothing of the project.
+Imports inside `if TYPE_CHECKING:` are annotations only and do not count. The README states
+the same rules in a table, checked against `ALLOWED` here.
 """
 
 from __future__ import annotations
@@ -36,9 +37,17 @@ ALLOWED: dict[str, set[str]] = {
         "router.config",
         "router.policy",
     },
-    "router.config": {"router.policy", "router.sim"},
+    "router.presets": set(),
+    "router.config": {"router.policy", "router.presets"},
     "router.replay": {"router.policy", "router.protocol"},
-    "router.sim": {"router.policy", "router.replay", "router.protocol", "router.wire", "kernels"},
+    "router.sim": {
+        "router.policy",
+        "router.presets",
+        "router.replay",
+        "router.protocol",
+        "router.wire",
+        "kernels",
+    },
     "engine_patches": {"router.policy", "kernels"},
     "kernels": set(),
 }
@@ -172,3 +181,28 @@ def test_every_path_the_docs_name_exists() -> None:
         }
     )
     assert not missing, "\n".join(missing)
+
+
+def _readme_rules() -> dict[str, set[str]]:
+    """The README's table of what each layer may import ("How it is built")."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| layer | may import") :].split("\n\n")[0].splitlines()[2:]
+    rules: dict[str, set[str]] = {}
+    for row in table:
+        layers, allowed = (cell.strip() for cell in row.strip("|").split("|"))
+        names = re.findall(r"`([\w.]+)`", allowed)
+        for layer in re.findall(r"`([\w.]+)`", layers.split("(")[0]):
+            rules[layer] = set(names)
+    return rules
+
+
+def test_the_readme_states_the_import_rules_this_file_checks() -> None:
+    def full(name: str) -> str:
+        return name if name in ("kernels", "engine_patches") else f"router.{name}"
+
+    stated = {
+        full(layer): {full(name) for name in names}
+        for layer, names in _readme_rules().items()
+        if full(layer) not in ENTRY_POINTS
+    }
+    assert stated == ALLOWED

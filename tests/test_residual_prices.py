@@ -9,8 +9,8 @@ import pytest
 from router.policy.predictor import MIN_DIST_SAMPLES, DurationPredictor
 from router.policy.prices import QuantileTracker, ReplicaPrices
 from router.policy.residual import DurationDistribution
+from router.presets import get_preset
 from router.sim.model import CostModel
-from router.sim.presets import get_preset
 
 
 def filled(samples) -> DurationDistribution:
