@@ -77,10 +77,12 @@ def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
         yield from _runtime_nodes(child)
 
 
-def _imports(name: str) -> set[str]:
-    """The project modules `name` imports at run time (`from a import b` counts a.b if a module)."""
+def _imports(name: str, annotations: bool = False) -> set[str]:
+    """The project modules `name` imports at run time (`from a import b` counts a.b if a
+    module); with `annotations`, also those imported for type annotations only."""
     out = set()
-    for node in _runtime_nodes(ast.parse(MODULES[name].read_text())):
+    tree = ast.parse(MODULES[name].read_text())
+    for node in ast.walk(tree) if annotations else _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -90,6 +92,9 @@ def _imports(name: str) -> set[str]:
 
 
 GRAPH = {name: _imports(name) - {name} for name in MODULES}
+# with the annotation-only imports: two modules that name each other's types are one concept
+# split in two, or one hands the other more than it reads
+TYPED_GRAPH = {name: _imports(name, annotations=True) - {name} for name in MODULES}
 
 
 def group(name: str) -> str:
@@ -118,14 +123,14 @@ def test_every_sub_package_says_what_lives_there_and_what_it_may_import() -> Non
         assert "may import" in doc.lower(), f"{init} does not say what it may import"
 
 
-def test_no_import_cycles() -> None:
+def test_no_import_cycles_not_even_through_annotations() -> None:
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = 1
         stack.append(node)
-        for dep in sorted(GRAPH[node]):
+        for dep in sorted(TYPED_GRAPH[node]):
             if state.get(dep) == 1:
                 cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
@@ -133,7 +138,7 @@ def test_no_import_cycles() -> None:
         stack.pop()
         state[node] = 2
 
-    for name in sorted(GRAPH):
+    for name in sorted(TYPED_GRAPH):
         if name not in state:
             visit(name, [])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
