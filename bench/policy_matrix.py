@@ -4,6 +4,8 @@
     python bench/policy_matrix.py --corpora claude-x0.25 --programs 80 --seeds 0
     python bench/policy_matrix.py --write bench/results/2026-11-23-policy-matrix.md
     python bench/policy_matrix.py --sweep aging_s=0,120,300 --seeds 0 1   # mori variants
+    python bench/policy_matrix.py --seeds 0 --duration 600 --json before.json  # parity:
+    python bench/policy_matrix.py --seeds 0 --duration 600 --compare before.json  # same figures?
 
     python bench/policy_matrix.py --deployments h200-moe-x3 --programs 50 80 --cpu-ratio 1 \
         --corpora generated claude-x0.5 --duration 1800            # the 3-replica cells
@@ -282,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         help="with --sweep: plot each cell's output tok/s against its in-flight TTFT p99, the "
         "swept values as a line (the default starred), the baselines as points",
     )
+    parser.add_argument(
+        "--compare", type=Path, metavar="JSON",
+        help="exit 1 unless every run's figures equal those of this --json file (a change "
+        "meant to keep behaviour: run the same command on the parent with --json first)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     settings = tuple((k, _value(v)) for k, _, v in (s.partition("=") for s in args.settings))
 
@@ -327,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         knob = args.sweep.partition("=")[0]
         plot_frontier(cells, labels, knob, args.frontier)
         console.print(f"frontier plot: {args.frontier}")
+    rows = [{**run.__dict__, "settings": dict(run.settings), **row} for run, row in results]
     if args.json:
-        rows = [{**run.__dict__, "settings": dict(run.settings), **row} for run, row in results]
         args.json.write_text(json.dumps(rows, indent=1))
     if args.write:
         command = " ".join(["python bench/policy_matrix.py", *(argv or sys.argv[1:])])
@@ -336,7 +343,35 @@ def main(argv: list[str] | None = None) -> int:
         head += [f"- {line}" for line in summary] + [""]
         with args.write.open("a") as fh:
             fh.write("\n".join(head + md) + "\n")
+    if args.compare:
+        differences = compare(json.loads(args.compare.read_text()), rows)
+        for line in differences:
+            console.print(line, markup=False)
+        console.print(f"{len(rows)} runs, {len(differences)} differ from {args.compare}")
+        return 1 if differences else 0
     return 0
+
+
+def compare(before: list[dict], after: list[dict]) -> list[str]:
+    """Per run (its cell, seed, policy and settings), the figures that differ between two
+    `--json` files' rows, exactly: the simulator runs on a virtual clock, so a change that
+    keeps the policies' behaviour keeps every figure to the last digit."""
+    figures = set(METRICS) | {"miss"}
+
+    def key(row: dict) -> str:
+        return json.dumps({k: v for k, v in row.items() if k not in figures}, sort_keys=True)
+
+    old = {key(row): row for row in before}
+    out = []
+    for row in after:
+        was = old.get(key(row))
+        if was is None:
+            out.append(f"{key(row)}: not in the earlier file")
+            continue
+        moved = [f"{m} {was[m]!r} -> {row[m]!r}" for m in sorted(figures) if was.get(m) != row[m]]
+        if moved:
+            out.append(f"{key(row)}: {', '.join(moved)}")
+    return out
 
 
 if __name__ == "__main__":

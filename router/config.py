@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router.policy.base import PolicyConfig
-from router.sim.presets import PRESETS
+from router.presets import PRESETS
 
 ENV_PREFIX = "MORI_"
 # Timers given in trace seconds: `time_scale` divides them (and the KV copy time), so a

@@ -8,6 +8,7 @@ first. Run as a user runs them, one process each, so an import error anywhere fa
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,26 @@ def test_harness_identity_counts_splits_merges_and_parents() -> None:
         "parent_lost": 1,
         "wrong": 1,
     }
+
+
+def test_policy_matrix_compare_passes_on_the_same_figures_and_names_a_moved_one(
+    tmp_path: Path,
+) -> None:
+    """The parity check of a change meant to keep behaviour: the same command on the same
+    code reproduces every figure; one figure changed in the earlier file is reported."""
+    cell = ["--duration", "60", "--programs", "10", "--seeds", "0", "--policies", "mori", "smg"]
+    cell += ["--corpora", "generated", "--cpu-ratio", "1", "--jobs", "1"]
+
+    def matrix(*extra: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "bench/policy_matrix.py", *cell, *extra]
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    before = tmp_path / "before.json"
+    assert matrix("--json", str(before)).returncode == 0
+    same = matrix("--compare", str(before))
+    assert same.returncode == 0 and "2 runs, 0 differ" in same.stdout
+    rows = json.loads(before.read_text())
+    rows[0]["output_tok_s"] += 0.5
+    before.write_text(json.dumps(rows))
+    moved = matrix("--compare", str(before))
+    assert moved.returncode == 1 and "output_tok_s" in moved.stdout and "1 differ" in moved.stdout

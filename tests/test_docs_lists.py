@@ -1,5 +1,5 @@
 """The README's and docs' lists of policies, presets and commands name exactly what the code
-registers (`router.policy.REGISTRY`, `router.sim.presets.PRESETS`, `router.cli.COMMANDS` and
+registers (`router.policy.REGISTRY`, `router.presets.PRESETS`, `router.cli.COMMANDS` and
 the console scripts): a name added to the code, or dropped from a page, fails here until the
 page follows, so the lists cannot go stale again."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from router.cli import COMMANDS
 from router.policy import REGISTRY
-from router.sim.presets import PRESETS
+from router.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"`([\w.+-]+)`")  # a backticked word: a policy, a preset (paths, phrases: no)

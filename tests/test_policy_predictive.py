@@ -194,6 +194,20 @@ def test_tool_end_loads_back_at_once_and_feeds_the_predictor():
     assert policy.predictor.error_stats()["shell_long"].n == 1  # scored once, not twice
 
 
+def test_tool_end_of_a_program_whose_kv_is_gone_only_feeds_the_predictor():
+    """A program drained to WAITING during its tool call has no replica to load back to:
+    the client's tool end is learnt from and moves nothing (it raised ValueError: a 500
+    from `POST /v1/programs/{id}/tool_end`)."""
+    policy = make()
+    step(policy, "a", 0.0, 600)
+    policy.on_tool_start("a", 1.0, "Bash:pytest", "main")
+    policy.set_healthy("r0", False, 2.0)
+    policy.set_healthy("r0", True, 2.5)
+    assert where(policy, "a") == WAIT
+    assert policy.on_tool_end("a", 9.0) == []
+    assert policy.predictor.predict("main", "Bash:pytest") == pytest.approx(8.0)
+
+
 def test_misprediction_holds_room_only_until_grace_ends():
     policy = make()
     predicted_end = _offloaded(policy)

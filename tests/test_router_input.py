@@ -8,14 +8,23 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.config import POLICY_KNOBS, ConfigError, RouterConfig, load_config, parse_settings
-from router.policy import PolicyConfig
+from router.config import (
+    POLICY_KNOBS,
+    SCALED_TIMERS,
+    ConfigError,
+    RouterConfig,
+    load_config,
+    parse_settings,
+)
+from router.policy import REGISTRY, PolicyConfig
 from router.policy.labels import LabelError
 from router.protocol.accounting import OpenAIStream
 from router.protocol.identity import (
@@ -29,6 +38,8 @@ from router.protocol.intake import Hints, Intake, prepare
 from router.wire.errors import ApiError
 from tests.router_harness import assert_clean, emulators, router
 from tests.servers import mori
+
+REPO = Path(__file__).resolve().parents[1]
 
 # --- configuration -----------------------------------------------------------------------
 
@@ -82,6 +93,32 @@ def test_every_policy_knob_is_settable_on_the_router_as_in_the_simulator(tmp_pat
     ).policy_config()  # noqa: E501
     for config in (from_file, from_env, from_flags):
         assert {k: getattr(config, k) for k in knobs} == changed
+
+
+def test_the_example_config_and_the_docs_say_what_the_code_does():
+    """configs/router.yaml sets every setting it names to the code's default (loading it
+    changes nothing but the replicas it lists: its round_share_min was 0.25 against 0.5),
+    it, docs/router.md and docs/policy.md's table name every registered policy, and the
+    docs name every timer `time_scale` divides."""
+    example = yaml.safe_load((REPO / "configs/router.yaml").read_text())
+    fields = RouterConfig.model_fields
+    differ = {
+        k: (v, fields[k].default)
+        for k, v in example.items()
+        if k not in ("replicas", "api_keys") and v != fields[k].default
+    }
+    assert differ == {}
+    docs = (REPO / "docs/router.md").read_text()
+    policy_row = next(line for line in docs.splitlines() if line.startswith("| `policy` |"))
+    example_text = (REPO / "configs/router.yaml").read_text()
+    comment = example_text[example_text.index("policy: mori") :].split("\nlog_level")[0]
+    listed = set(comment.replace("|", " ").split())
+    table = [line for line in (REPO / "docs/policy.md").read_text().splitlines() if "|" in line]
+    for name in REGISTRY:
+        assert f"`{name}`" in policy_row and name in listed, name
+        assert any(line.startswith(f"| `{name}`") for line in table), name
+    scale_row = next(line for line in docs.splitlines() if line.startswith("| `time_scale` |"))
+    assert [t for t in SCALED_TIMERS if f"`{t}`" not in scale_row] == []
 
 
 def test_replicas_from_env_accept_overrides():

@@ -19,8 +19,8 @@ from router.owner.controller import Router
 from router.policy import PolicyConfig
 from router.policy.mori import MoriPolicy
 from router.policy.types import ReplicaCapacity
+from router.presets import PRESETS
 from router.protocol.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
-from router.sim.presets import PRESETS
 from tests.router_harness import (
     ScriptedReplica,
     assert_clean,

@@ -57,7 +57,8 @@ def _memo_idleness(now: float) -> Idleness:
 
 
 class MoriPaperPolicy(Policy):
-    """Idleness-driven GPU/CPU/WAITING tiering (the product's default policy)."""
+    """Idleness-driven GPU/CPU/WAITING tiering as the paper states it (`mori-paper`, the
+    first step of the ablation; the default policy is `mori`, router.policy.mori)."""
 
     name = "mori-paper"
     default_aging_s = 0.0  # the paper has no aging; `aging_s` turns ours on

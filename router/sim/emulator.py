@@ -34,11 +34,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.policy.types import EngineMode, Hint
+from router.presets import PRESETS, get_preset
 from router.protocol.accounting import CACHE_DETAILS_FLAG
 from router.replay import prompts
 from router.sim import anthropic
 from router.sim import model as cost_model
-from router.sim.presets import PRESETS, get_preset
 from router.wire.errors import ApiError
 
 log = logging.getLogger("mori.emulate")

@@ -78,8 +78,8 @@ import math
 from dataclasses import dataclass, field
 
 from router.policy.types import EngineMode, Hint
+from router.presets import Preset
 from router.sim.kv_tree import RANK, KVTree, Node, SharedPrefix
-from router.sim.presets import Preset
 
 __all__ = ["CostModel", "Done", "FirstToken", "ReplicaEngine", "SharedPrefix"]
 

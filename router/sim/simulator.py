@@ -37,13 +37,13 @@ from kernels.costs import restore_cost
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import ReplicaCapacity, Segment
+from router.presets import Preset, get_preset
 from router.replay.corpus import ClosedLoopCorpus, HandOffs
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.retries import MAX_RETRIES, ClientRetries
 from router.replay.trace import TraceProgram, TraceStep
 from router.sim.approx import ApproxReuse, ApproxStore
 from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedPrefix
-from router.sim.presets import Preset, get_preset
 from router.sim.segments import PromptBlocks
 
 

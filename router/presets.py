@@ -1,4 +1,9 @@
-"""Hardware x model presets for the replica cost model (router.sim.model).
+"""Hardware x model presets: what a replica holds and how fast it computes and copies.
+
+The router's settings take their defaults from one (`router.config`: budgets, prices), and
+the simulator's replica cost model (`router.sim.model`) its timings, so the presets stand
+below both: they import nothing of the project, and the live router's settings do not
+depend on the simulator package.
 
 A preset turns public spec-sheet numbers into the handful of coefficients the cost model
 needs: KV bytes per token, the GPU KV budget in tokens, prefill FLOPs per token, decode
