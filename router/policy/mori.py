@@ -159,11 +159,10 @@ class MoriPolicy(PricedPolicy):
         if call is None or p is None or call.ended_s is not None:
             return []
         self.observe_call(program_id, now)
-        cpu_moves = []
+        if p.placement.tier is not Tier.CPU:  # on a GPU already, or WAITING (nothing to load)
+            return []
         gpu = Placement(Tier.GPU, p.placement.replica)
-        if p.placement.tier is Tier.CPU and self._room_for(p, gpu):
-            cpu_moves.append(self._move(p, gpu, MoveReason.PROMOTE_CPU, now))
-        return cpu_moves
+        return [self._move(p, gpu, MoveReason.PROMOTE_CPU, now)] if self._room_for(p, gpu) else []
 
     def on_response(
         self, program_id: str, now: float, context_tokens: int | None = None
