@@ -274,12 +274,15 @@ class MoriEngine(ABC):
                 "agents": len(self.anchors.agents),
             },
             "anchor_scores": dict(self.anchors.scores),
-            "programs": {
-                p: {"hint": (self.book.hint(p) or DEFAULT_HINT).value}
-                | self.ledger.residency(p).as_json()
-                for p in sorted(programs)
-            },
+            "programs": {p: self._row(p) for p in sorted(programs)},
         }
+
+    def _row(self, program: str) -> dict[str, Any]:
+        """One program's residency: its hint (`hinted`: a router named it, so the hint is
+        not just the default) and its tokens on each tier."""
+        hint = self.book.hint(program)
+        head = {"hint": (hint or DEFAULT_HINT).value, "hinted": hint is not None}
+        return head | self.ledger.residency(program).as_json()
 
     def handle(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.cache is None:

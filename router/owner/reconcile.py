@@ -9,7 +9,10 @@ hints. Reconciliation reads each replica's residency and
   not `inactive`) joins the tier its hint names on that replica (`busy` -> GPU, `idle` -> CPU)
   as an acting program with the context the engine holds, so a restarted router rebuilds the
   previous one's tiers and routes each program back to its KV (the first step toward a
-  standby router taking over);
+  standby router taking over). Only a program a router named in a hint (`hinted`) is adopted:
+  a name the engine gave KV itself (the emulator names a request that reached it without a
+  `session_id` by its first message) is at best another name for a program the router knows
+  under its own id, and adopting it would count that program's tokens twice;
 - drops the router's belief in KV that is gone: an acting CPU-tier program whose replica
   holds none of its tokens any more moves to WAITING (its next request is placed afresh,
   instead of being promoted for a host copy that no longer exists).
@@ -39,6 +42,7 @@ class Held:
     device_tokens: int
     host_tokens: int
     hint: Hint
+    hinted: bool = True  # a router named the program (else its hint is the engine's default)
 
     @property
     def tokens(self) -> int:
@@ -54,15 +58,21 @@ class Outcome:
 
 
 def parse_residency(replica: str, doc: Any) -> dict[str, Held]:
-    """Program -> Held from one `/mori/residency` answer; malformed entries are skipped."""
+    """Program -> Held from one `/mori/residency` answer; malformed entries are skipped. A
+    row that does not say `hinted` (an engine older than the field) counts as not named by
+    a router: never adopted."""
     programs = doc.get("programs") if isinstance(doc, dict) else None
     out: dict[str, Held] = {}
     for pid, row in programs.items() if isinstance(programs, dict) else ():
         try:
             held = Held(
-                replica, int(row["device_tokens"]), int(row["host_tokens"]), Hint(row["hint"])
+                replica,
+                int(row["device_tokens"]),
+                int(row["host_tokens"]),
+                Hint(row["hint"]),
+                row.get("hinted") is True,
             )
-        except (TypeError, KeyError, ValueError):
+        except (TypeError, KeyError, ValueError, AttributeError):
             continue
         out[pid] = held
     return out
@@ -74,7 +84,7 @@ def reconcile(policy: Policy, views: Mapping[str, Mapping[str, Held]], now: floa
     best: dict[str, Held] = {}
     for held_here in views.values():
         for pid, held in held_here.items():
-            if held.tokens > 0 and (pid not in best or held.tokens > best[pid].tokens):
+            if held.hinted and held.tokens > (best[pid].tokens if pid in best else 0):
                 best[pid] = held
     adopted = {
         pid: _adopt(policy, pid, held, now)
