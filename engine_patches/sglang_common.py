@@ -8,7 +8,8 @@
 - busy-first admission after `SchedulePolicy.calc_priority`;
 - CacheSage survival scores (engine_patches/anchor_scores.py): once the router pushes them
   with the hints, nodes shared by several programs order by (type rank, survival, LRU);
-- the HTTP routes POST /mori/hints and GET /mori/residency (docs/hint-protocol.md).
+- the HTTP routes POST /mori/hints and GET /mori/residency (docs/hint-protocol.md);
+- SGLang's Anthropic entrypoint carrying the program id (engine_patches/messages.py).
 
 Residency is exact and cheap: every hook that can change a node's tiers marks it dirty, and
 a read reconciles only the dirty nodes (O(changes), never a tree walk).
@@ -28,7 +29,7 @@ from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from engine_patches import anchor_scores
+from engine_patches import anchor_scores, messages
 from engine_patches.anchor_scores import AnchorScores
 from engine_patches.control import ControlPath
 from engine_patches.hint_book import HintBatch, HintBook, HintError
@@ -58,6 +59,7 @@ COMMON_TARGETS = (
     f"{_S}.entrypoints.http_server.get_global_state",
     f"{_S}.plugins.hook_registry.HookRegistry",
     "sglang.utils.TypeBasedDispatcher",
+    *messages.TARGETS,
 )
 
 
@@ -412,6 +414,7 @@ def register_common(engine: MoriEngine) -> None:
     if multiprocessing.parent_process() is None:
         with contextlib.suppress(ImportError):  # offline Engine without the HTTP extras
             install_http_routes()
+            messages.register()
 
 
 # --- HTTP side (main process only) ------------------------------------------------------------
