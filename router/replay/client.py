@@ -1,6 +1,7 @@
-"""Closed-loop live replay of an agent trace against an OpenAI endpoint (MORI 6.1).
+"""Closed-loop live replay of an agent trace against an OpenAI or Anthropic endpoint (MORI 6.1).
 
-`concurrency` clients each replay one program over HTTP with the OpenAI SDK: send a step,
+`concurrency` clients each replay one program over HTTP with the OpenAI SDK (chat
+completions) or the Anthropic SDK (Messages, `api="anthropic"`; router/replay/apis.py): send a step,
 wait for the whole (streamed) answer, sleep the step's `tool_s`, send the next step; then
 take the next program of the corpus (shuffled once by the seed, cycled). A program's
 subagents run as extra clients from their `start_s`. Prompts are synthesised by
@@ -28,7 +29,7 @@ from urllib.parse import quote
 import httpx
 import openai
 
-from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
+from router.replay.apis import API_NAMES, ERRORS, Answer, Call, sender
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
@@ -41,7 +42,8 @@ UTIL_SAMPLE_S = 1.0  # wall seconds between GPU-utilisation samples
 class ReplayConfig:
     """One live run. `duration_s` is wall time; everything reported is on the trace clock."""
 
-    endpoint: str  # base URL of the OpenAI API (with or without /v1)
+    endpoint: str  # base URL of the API (with or without /v1)
+    api: str = "openai"  # the wire API: "openai" (chat completions) or "anthropic" (Messages)
     concurrency: int = 8
     duration_s: float = 60.0
     time_scale: float = 1.0
@@ -63,6 +65,7 @@ class ReplayConfig:
             "token_scale": self.token_scale > 0,
             "start_jitter_s": self.start_jitter_s >= 0,
             "programs": self.programs is None or self.programs >= 1,
+            "api": self.api in API_NAMES,
         }
         for name, ok in checks.items():
             if not ok:
@@ -159,8 +162,9 @@ class Replay:
                 http_client=http,
                 max_retries=0,
             ) as api,
+            sender(cfg.api, api, cfg.api_key, cfg.request_timeout_s, self.now) as send,
         ):
-            self.http, self.api = http, api
+            self.http, self.api, self.send = http, api, send
             self.model = cfg.model or await self._first_model()
             self.labels = await self._labels()
             self._t0 = time.monotonic()
@@ -327,42 +331,30 @@ class Replay:
         """Send one step, stream the answer, record it; returns the answer's text."""
         pid = me.pid
         arrival = self.now()
-        first: float | None = None
-        parts: list[str] = []
-        usage = Usage()
-        replica = None
+        answer = Answer()
+        call = Call(
+            self.model,
+            messages,
+            max(1, step.output_tokens),
+            pid,
+            {**me.headers, **self._round(me, step)},
+        )
         try:
-            raw = await self.api.chat.completions.with_raw_response.create(
-                model=self.model,
-                messages=messages,
-                max_tokens=max(1, step.output_tokens),
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
-                extra_headers={**me.headers, **self._round(me, step)},
-            )
-            replica = raw.headers.get("x-mori-replica")
-            async for chunk in raw.parse():
-                if chunk.choices and chunk.choices[0].delta.content:
-                    if first is None:
-                        first = self.now()
-                    parts.append(chunk.choices[0].delta.content)
-                if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
-                    openai_usage(chunk.to_dict(), usage)
-        except (openai.OpenAIError, httpx.HTTPError) as e:
-            self._fail(pid, step, arrival, replica, e)
-            return "".join(parts)
+            await self.send(answer, call)
+        except ERRORS as e:
+            self._fail(pid, step, arrival, answer.replica, e)
+            return "".join(answer.parts)
         finish = self.now()
-        hits = usage.hits()
+        usage, hits = answer.usage, answer.usage.hits()
         self.records.append(
             StepRecord(
                 program_id=pid,
-                replica=replica,
+                replica=answer.replica,
                 arrival_s=arrival,
-                first_token_s=first if first is not None else finish,
+                first_token_s=answer.first if answer.first is not None else finish,
                 finish_s=finish,
                 input_tokens=_or(usage.prompt_tokens, step.input_tokens),
-                output_tokens=_or(usage.completion_tokens, len(parts)),
+                output_tokens=_or(usage.completion_tokens, len(answer.parts)),
                 cached_device=hits.device if hits else 0,
                 cached_host=hits.host if hits else 0,
                 session=me.session,
@@ -373,7 +365,7 @@ class Replay:
         )
         self.progress.steps += 1
         self.progress.output_tokens += self.records[-1].output_tokens
-        return "".join(parts)
+        return "".join(answer.parts)
 
     @staticmethod
     def _round(me: _Instance, step: TraceStep) -> dict[str, str]:
