@@ -82,6 +82,15 @@ def test_programs_no_router_named_are_never_adopted():
     assert policy.tiers.used(Placement(GPU, "r0")) == 0
 
 
+def test_a_program_ended_while_the_engines_were_read_is_not_adopted_back():
+    """The engine still typed it when it answered (the router's `inactive` was not applied
+    yet): the likely adoption seen once in a 45 s demo run over chat, before this rule."""
+    policy = _policy()
+    views = {"r0": {"gone": Held("r0", 900, 900, Hint.BUSY), "b": Held("r0", 0, 70, Hint.IDLE)}}
+    outcome = reconcile(policy, views, now=1.0, ended={"gone"})
+    assert outcome.adopted == {"b": Placement(CPU, "r0")} and "gone" not in policy.programs
+
+
 def test_a_name_the_engine_gave_a_known_conversation_is_not_adopted():
     """A conversation the router serves as `known` also reached the engine without the
     router's id (sent to the replica directly here; SGLang's Messages entrypoint dropped the

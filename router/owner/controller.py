@@ -429,12 +429,26 @@ class Router:
 
     # residency -------------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
-        await self._every(self.config.reconcile_s, self.reconcile)
+        async def flushed_then_reconciled() -> None:
+            await self._hints_flushed()
+            await self.reconcile()
+
+        await self._every(self.config.reconcile_s, flushed_then_reconciled)
+
+    async def _hints_flushed(self) -> None:
+        """Until a hint round begun now was answered (at most `hint_ack_timeout_s`): the
+        engines have then heard `inactive` for every program ended so far, which reconcile
+        would otherwise read as held, named and unknown, and adopt back."""
+        needed = self._rounds_started + 1
+        self._hints_dirty.set()
+        await self._round_done(needed)
 
     async def reconcile(self) -> None:
         """Check the tiers against every healthy replica's `/mori/residency`
-        (router/owner/reconcile.py); a replica that does not answer is left out this time."""
+        (router/owner/reconcile.py); a replica that does not answer is left out this time,
+        and a program that ends while the engines are read is not adopted back."""
         urls = [u for u in self.replicas if self.policy.tiers.healthy.get(u)]
+        known = set(self.policy.programs)
         docs = await asyncio.gather(
             *(self.replicas[u].fetch_residency() for u in urls), return_exceptions=True
         )
@@ -443,12 +457,14 @@ class Router:
             for url, doc in zip(urls, docs, strict=True)
             if not isinstance(doc, BaseException)
         }
-        outcome = reconcile(self.policy, views, self.clock())
+        ended = known - self.policy.programs.keys()
+        outcome = reconcile(self.policy, views, self.clock(), ended)
         if outcome.adopted or outcome.lost:
             log.warning(
-                "residency: adopted %d programs the engines hold, %d CPU-tier programs "
+                "residency: adopted %d programs the engines hold (%s), %d CPU-tier programs "
                 "lost their host copy",
                 len(outcome.adopted),
+                ", ".join(sorted(outcome.adopted)[:5]),
                 len(outcome.lost),
             )
             self.metrics.reconciled.labels("adopted").inc(len(outcome.adopted))
@@ -485,10 +501,14 @@ class Router:
         """Bounded by `hint_ack_timeout_s`: a slow engine delays the hint, never the
         request, for longer."""
         started = self.clock()
+        await self._round_done(needed)
+        self.metrics.hint_ack_wait.observe(self.clock() - started)
+
+    async def _round_done(self, needed: int) -> None:
+        """Until hint round `needed` was answered, at most `hint_ack_timeout_s`."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.hint_ack_timeout_s), self._rounds:
                 await self._rounds.wait_for(lambda: self._rounds_done >= needed)
-        self.metrics.hint_ack_wait.observe(self.clock() - started)
 
     async def sync_hints(self, full: bool) -> None:
         self._rounds_started += 1

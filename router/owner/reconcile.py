@@ -12,7 +12,9 @@ hints. Reconciliation reads each replica's residency and
   standby router taking over). Only a program a router named in a hint (`hinted`) is adopted:
   a name the engine gave KV itself (the emulator names a request that reached it without a
   `session_id` by its first message) is at best another name for a program the router knows
-  under its own id, and adopting it would count that program's tokens twice;
+  under its own id, and adopting it would count that program's tokens twice. Nor is a
+  program the router has just ended (the controller first waits for its pending hints to be
+  answered, and names the programs that ended while the engines were read);
 - drops the router's belief in KV that is gone: an acting CPU-tier program whose replica
   holds none of its tokens any more moves to WAITING (its next request is placed afresh,
   instead of being promoted for a host copy that no longer exists).
@@ -23,7 +25,7 @@ the HTTP (at start, before the first full hint sync, and every `reconcile_s`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,9 +80,16 @@ def parse_residency(replica: str, doc: Any) -> dict[str, Held]:
     return out
 
 
-def reconcile(policy: Policy, views: Mapping[str, Mapping[str, Held]], now: float) -> Outcome:
+def reconcile(
+    policy: Policy,
+    views: Mapping[str, Mapping[str, Held]],
+    now: float,
+    ended: Collection[str] = (),
+) -> Outcome:
     """Bring the policy's tiers in line with the replicas' residency (`views`: replica ->
-    program -> Held, for the replicas that answered)."""
+    program -> Held, for the replicas that answered). `ended`: programs the router ended
+    while the views were read (an engine still typed them busy or idle then): never
+    adopted back."""
     best: dict[str, Held] = {}
     for held_here in views.values():
         for pid, held in held_here.items():
@@ -90,6 +99,7 @@ def reconcile(policy: Policy, views: Mapping[str, Mapping[str, Held]], now: floa
         pid: _adopt(policy, pid, held, now)
         for pid, held in best.items()
         if pid not in policy.programs
+        and pid not in ended
         and held.hint in _TIER_OF_HINT
         and policy.tiers.healthy.get(held.replica, False)
     }
