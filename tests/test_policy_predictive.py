@@ -208,6 +208,16 @@ def test_tool_end_of_a_program_whose_kv_is_gone_only_feeds_the_predictor():
     assert policy.predictor.predict("main", "Bash:pytest") == pytest.approx(8.0)
 
 
+def test_tool_end_of_a_program_whose_kv_is_gone_moves_nothing():
+    """A CPU-tier program whose host copy the engine dropped is WAITING (reconcile): its
+    tool's end has nothing to load back (it raised, a 500 on the router's tool_end)."""
+    policy = make()
+    _offloaded(policy)
+    policy.tiers.place(policy.programs["a"], WAIT)
+    assert policy.on_tool_end("a", 10.0) == []
+    assert policy.programs["a"].placement == WAIT
+
+
 def test_misprediction_holds_room_only_until_grace_ends():
     policy = make()
     predicted_end = _offloaded(policy)

@@ -104,6 +104,28 @@ def test_replay_against_emulator_records_steps_and_cache_hits(emulator, corpus_f
     assert 0 < result.gpu_util < 1
 
 
+def test_replay_over_anthropic_messages_records_what_chat_records(emulator, corpus_file):
+    """`api="anthropic"`: the Anthropic SDK over `/v1/messages` through the router, the
+    program id in `metadata.user_id`: exact answer lengths and the cache split reach the
+    client as over chat, and the engine holds each program under its replay id."""
+    _, corpus = corpus_file
+    spec = {"url": emulator, "gpu_tokens": 40000, "cpu_tokens": 60000}
+    with router([spec]) as base:
+        config = ReplayConfig(
+            base, api="anthropic", concurrency=2, duration_s=3.0, time_scale=20, start_jitter_s=0
+        )
+        run = Replay(corpus, config)
+        result = asyncio.run(run.run())
+    ok = [r for r in run.records if r.ok]
+    assert len(ok) >= 6 and not run.progress.errors
+    assert {r.output_tokens for r in ok} <= {20, 30, 10, 5, 8}  # ignore_eos reached the engine
+    later = [r for r in ok if r.input_tokens in (700, 900)]
+    assert later and all(r.cached_device > 0 for r in later), "prefix reuse reaches the engine"
+    assert result.hit_device > 0.3
+    held = httpx.get(emulator + "/mori/residency", timeout=5).json()["programs"]
+    assert {r.program_id for r in ok} <= set(held)
+
+
 def test_replay_cli_writes_the_sim_json_shape(emulator, corpus_file, tmp_path):
     path, _ = corpus_file
     out = tmp_path / "live.json"

@@ -74,3 +74,26 @@ def test_the_replay_client_comes_back_when_told_and_counts_the_wait_as_the_start
         assert result.refused_starts >= 1
         assert result.start_wait_p99_s > GATE_S * 0.8  # it waited out a refusal at least
         assert_clean(base)
+
+
+def test_a_deferred_start_over_messages_says_so_in_a_header(replica):
+    """Anthropic's error body has no code: the refusal is named by `x-mori-error`, with
+    the Retry-After the SDK reads, in an Anthropic-shaped 429 (ids of its own: the
+    replica is shared with the tests above, and a new router adopts what it holds)."""
+    import anthropic
+
+    knobs = {"tick_s": TICK_S, "gate_timeout_s": GATE_S, "door_load": 1e-6}
+    with router([replica], **knobs) as base:
+        _door_shut_by(client(base), "running-m")
+        messages = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+        with pytest.raises(anthropic.RateLimitError) as err:
+            messages.messages.create(
+                model="default",
+                max_tokens=4,
+                messages=[{"role": "user", "content": "hello"}],
+                metadata={"user_id": "newcomer-m"},
+            )
+        headers = err.value.response.headers
+        assert headers["x-mori-error"] == "start_deferred" and "retry-after" in headers
+        assert err.value.body["error"]["type"] == "rate_limit_error"
+        httpx_post_end(base, "running-m")

@@ -66,6 +66,22 @@ def create_app(
                     return Response(content, media_type="application/json")
         raise ApiError(503, "no healthy replica answered /v1/models", code="upstream_unavailable")
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic token counting: no program and no KV, so the first healthy replica
+        that answers counts (every replica serves the one model); its answer, errors
+        included (Anthropic-shaped, as SGLang and the emulator send them), is relayed."""
+        auth.client(request.headers)
+        body = await request.body()
+        path = b"/v1/messages/count_tokens"
+        for url in router.policy.tiers.replicas():
+            with contextlib.suppress(UpstreamError):
+                status, content = await router.upstream.call(
+                    url, b"POST", path, body, timeout_s=config.request_timeout_s
+                )
+                return Response(content, status_code=status, media_type="application/json")
+        raise ApiError(503, "no healthy replica answered count_tokens", code="upstream_unavailable")
+
     # programs --------------------------------------------------------------------------
     def program_of(request: Request, program_id: str) -> str:
         """Admin callers name the full id; clients name their own (namespaced by key)."""

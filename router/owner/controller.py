@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -447,14 +447,29 @@ class Router:
 
     # residency -------------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
-        await self._every(self.config.reconcile_s, self.reconcile)
+        async def flushed_then_reconciled() -> None:
+            await self._hints_flushed()
+            await self.reconcile()
+
+        await self._every(self.config.reconcile_s, flushed_then_reconciled)
+
+    async def _hints_flushed(self) -> None:
+        """Until a hint round begun now was answered (at most `hint_ack_timeout_s`): the
+        engines have then heard `inactive` for every program ended so far, which reconcile
+        would otherwise read as held, named and unknown, and adopt back."""
+        needed = self._rounds_started + 1
+        self._hints_dirty.set()
+        await self._round_done(needed)
 
     async def reconcile(self) -> None:
         """Check the tiers against every healthy replica's `/mori/residency`
-        (router/owner/reconcile.py); a replica that does not answer is left out this time.
-        A standby holds no tiers: it reads the residency when it takes over."""
+        (router/owner/reconcile.py); a replica that does not answer is left out this time,
+        and a program that ends while the engines are read is not adopted back. A standby
+        holds no tiers: it reads the residency when it takes over."""
         if self.active:
-            self._reconciled(await self._residency())
+            known = set(self.policy.programs)
+            docs = await self._residency()
+            self._reconciled(docs, ended=known - self.policy.programs.keys())
 
     async def _residency(self) -> dict[str, Any]:
         """url -> `/mori/residency` answer of every healthy replica that gave one."""
@@ -468,16 +483,20 @@ class Router:
             if not isinstance(doc, BaseException)
         }
 
-    def _reconciled(self, docs: dict[str, Any], waiting: bool = False) -> Outcome:
+    def _reconciled(
+        self, docs: dict[str, Any], waiting: bool = False, ended: Collection[str] = ()
+    ) -> Outcome:
         """Reconcile the tiers with the residency `docs` (`waiting`: a takeover, which adopts
-        the programs held in WAITING too); log and count what changed."""
+        the programs held in WAITING too; `ended`: programs ended while the docs were read,
+        never adopted back); log and count what changed."""
         views = {url: parse_residency(url, doc) for url, doc in docs.items()}
-        outcome = reconcile(self.policy, views, self.clock(), waiting)
+        outcome = reconcile(self.policy, views, self.clock(), waiting, ended)
         if outcome.adopted or outcome.lost:
             log.warning(
-                "residency: adopted %d programs the engines hold, %d CPU-tier programs "
+                "residency: adopted %d programs the engines hold (%s), %d CPU-tier programs "
                 "lost their host copy",
                 len(outcome.adopted),
+                ", ".join(sorted(outcome.adopted)[:5]),
                 len(outcome.lost),
             )
             self.metrics.reconciled.labels("adopted").inc(len(outcome.adopted))
@@ -597,10 +616,14 @@ class Router:
         """Bounded by `hint_ack_timeout_s`: a slow engine delays the hint, never the
         request, for longer."""
         started = self.clock()
+        await self._round_done(needed)
+        self.metrics.hint_ack_wait.observe(self.clock() - started)
+
+    async def _round_done(self, needed: int) -> None:
+        """Until hint round `needed` was answered, at most `hint_ack_timeout_s`."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.hint_ack_timeout_s), self._rounds:
                 await self._rounds.wait_for(lambda: self._rounds_done >= needed)
-        self.metrics.hint_ack_wait.observe(self.clock() - started)
 
     async def sync_hints(self, full: bool) -> None:
         self._rounds_started += 1

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from router.engines.replicas import Replica
 from router.owner.controller import Router
 from router.owner.gate import GateTimeout, ProgramEnded
-from router.policy.door import START_DEFERRED
+from router.policy.door import ERROR_CODE_HEADER, START_DEFERRED
 from router.protocol.link import Outcome, Ticket
 from router.protocol.segments import as_policy
 from router.wire.errors import ApiError
@@ -52,6 +52,7 @@ def deferred(retry_s: float) -> ApiError:
         headers={
             "retry-after": str(max(1, math.ceil(retry_s))),
             "retry-after-ms": str(max(1, round(retry_s * 1000))),
+            ERROR_CODE_HEADER: START_DEFERRED,
         },
     )
 

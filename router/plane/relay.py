@@ -256,7 +256,7 @@ class Relay:
             _retry(outcome, cut or f"{e} (while reading the answer)", certain=cut is not None)
             return
         outcome.usage = (anthropic_body if self.anthropic else openai_body)(content)
-        if not self.anthropic and not prepared.client_wants_details:
+        if not prepared.client_wants_details:
             content = without_sglext(content)
         outcome.ttft = time.monotonic()
         outcome.verdict = True
@@ -267,7 +267,7 @@ class Relay:
         self, response: Response, prepared: Prepared, attempt: Attempt, outcome: Outcome
     ) -> None:
         parser = (
-            AnthropicStream(prepared.client_wants_usage)
+            AnthropicStream(prepared.client_wants_details)
             if self.anthropic
             else OpenAIStream(prepared.client_wants_usage, prepared.client_wants_details)
         )

@@ -22,6 +22,7 @@ from collections import OrderedDict, deque
 from router.policy.program import Program
 
 START_DEFERRED = "start_deferred"  # the error code a refused start is answered with
+ERROR_CODE_HEADER = "x-mori-error"  # ... also as a header: Anthropic's error body has no code
 RATE_SAMPLES = 32  # recent admissions the door's pace is measured over
 REFUSE_AT = 0.8  # refuse a start expected to wait past this share of the gate timeout
 

@@ -228,12 +228,13 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     wants_details = bool(body.get(CACHE_DETAILS_FLAG))
+    # SGLang's fields, on Messages too: the MORI plugin carries them through SGLang's
+    # Anthropic entrypoint (engine_patches/messages.py; a plain SGLang drops them there)
     body["session_id"] = program_id
-    if kind != "messages":
-        body["rid"] = rid
-        body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
-        if stream:
-            body["stream_options"] = {**(options or {}), "include_usage": True}
+    body["rid"] = rid
+    body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
+    if stream and kind != "messages":  # Anthropic streams always carry their usage
+        body["stream_options"] = {**(options or {}), "include_usage": True}
     return Prepared(
         program_id=program_id,
         agent=agent or (anchor.agent if anchor else None),

@@ -1,6 +1,7 @@
-"""Closed-loop live replay of an agent trace against an OpenAI endpoint (MORI 6.1).
+"""Closed-loop live replay of an agent trace against an OpenAI or Anthropic endpoint (MORI 6.1).
 
-`concurrency` clients each replay one program over HTTP with the OpenAI SDK: send a step,
+`concurrency` clients each replay one program over HTTP with the OpenAI SDK (chat
+completions) or the Anthropic SDK (Messages, `api="anthropic"`; router/replay/apis.py): send a step,
 wait for the whole (streamed) answer, sleep the step's `tool_s`, send the next step; then
 take the next program of the corpus (shuffled once by the seed, cycled). A program's
 subagents run as extra clients from their `start_s`. Prompts are synthesised by
@@ -29,12 +30,18 @@ from urllib.parse import quote
 import httpx
 import openai
 
-from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
 from router.protocol.identity import namespace
+from router.replay.apis import API_NAMES, ERRORS, Answer, Call, sender
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
-from router.replay.retries import START_DEFERRED, ClientRetries, retried, retry_after_s
+from router.replay.retries import (
+    ERROR_CODE_HEADER,
+    START_DEFERRED,
+    ClientRetries,
+    retried,
+    retry_after_s,
+)
 from router.replay.trace import TraceProgram, TraceStep
 
 UTIL_SAMPLE_S = 1.0  # wall seconds between GPU-utilisation samples
@@ -54,7 +61,8 @@ IDENTITIES = ("program-id", "none", *SESSION_HEADERS)
 class ReplayConfig:
     """One live run. `duration_s` is wall time; everything reported is on the trace clock."""
 
-    endpoint: str  # base URL of the OpenAI API (with or without /v1)
+    endpoint: str  # base URL of the API (with or without /v1)
+    api: str = "openai"  # the wire API: "openai" (chat completions) or "anthropic" (Messages)
     concurrency: int = 8
     duration_s: float = 60.0
     time_scale: float = 1.0
@@ -79,6 +87,7 @@ class ReplayConfig:
             "token_scale": self.token_scale > 0,
             "start_jitter_s": self.start_jitter_s >= 0,
             "programs": self.programs is None or self.programs >= 1,
+            "api": self.api in API_NAMES,
         }
         for name, ok in checks.items():
             if not ok:
@@ -205,8 +214,9 @@ class Replay:
                 http_client=http,
                 max_retries=0,
             ) as api,
+            sender(cfg.api, api, cfg.api_key, cfg.request_timeout_s, self.now) as send,
         ):
-            self.http, self.api = http, api
+            self.http, self.api, self.send = http, api, send
             self.model = cfg.model or await self._first_model()
             self.labels = await self._labels()
             self._t0 = time.monotonic()
@@ -386,56 +396,39 @@ class Replay:
         returns the answer's text."""
         pid = me.pid
         tries = _Tries(self.now(), first=step is me.program.steps[0])
+        call = Call(
+            self.model,
+            messages,
+            max(1, step.output_tokens),
+            pid if self.config.identity == "program-id" else None,
+            {**me.headers(self.config.identity), **self._round(me, step)},
+        )
         while True:
             arrival = self.now()
-            first: float | None = None
-            parts: list[str] = []
-            usage = Usage()
-            replica = None
+            answer = Answer()
             try:
-                raw = await self.api.chat.completions.with_raw_response.create(
-                    model=self.model,
-                    messages=messages,
-                    max_tokens=max(1, step.output_tokens),
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body={
-                        "ignore_eos": True,
-                        CACHE_DETAILS_FLAG: True,
-                        **self._program_id(me),
-                    },
-                    extra_headers={**me.headers(self.config.identity), **self._round(me, step)},
-                )
-                replica = raw.headers.get("x-mori-replica")
-                me.routed = raw.headers.get("x-mori-program-id") or me.routed
-                if me.routed is not None:
-                    self.routed.setdefault(pid, set()).add(me.routed)
-                async for chunk in raw.parse():
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        if first is None:
-                            first = self.now()
-                        parts.append(chunk.choices[0].delta.content)
-                    if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
-                        openai_usage(chunk.to_dict(), usage)
-            except (openai.OpenAIError, httpx.HTTPError) as e:
-                delay = None if first is not None else self._again_in(e, tries)
+                await self.send(answer, call)
+            except ERRORS as e:
+                self._note_routed(me, answer)
+                delay = None if answer.first is not None else self._again_in(e, tries)
                 if delay is None:  # the SDKs give up (or the answer broke off mid-stream)
-                    self._fail(pid, step, arrival, replica, e, tries)
-                    return "".join(parts)
+                    self._fail(pid, step, arrival, answer.replica, e, tries)
+                    return "".join(answer.parts)
                 await self._sleep_trace(delay)
                 continue
             break
+        self._note_routed(me, answer)
         finish = self.now()
-        hits = usage.hits()
+        usage, hits = answer.usage, answer.usage.hits()
         self.records.append(
             StepRecord(
                 program_id=pid,
-                replica=replica,
+                replica=answer.replica,
                 arrival_s=arrival,
-                first_token_s=first if first is not None else finish,
+                first_token_s=answer.first if answer.first is not None else finish,
                 finish_s=finish,
                 input_tokens=_or(usage.prompt_tokens, step.input_tokens),
-                output_tokens=_or(usage.completion_tokens, len(parts)),
+                output_tokens=_or(usage.completion_tokens, len(answer.parts)),
                 cached_device=hits.device if hits else 0,
                 cached_host=hits.host if hits else 0,
                 session=me.session,
@@ -447,7 +440,13 @@ class Replay:
         )
         self.progress.steps += 1
         self.progress.output_tokens += self.records[-1].output_tokens
-        return "".join(parts)
+        return "".join(answer.parts)
+
+    def _note_routed(self, me: _Instance, answer: Answer) -> None:
+        """The program the router filed the step under (its `x-mori-program-id`)."""
+        me.routed = answer.routed or me.routed
+        if me.routed is not None:
+            self.routed.setdefault(me.pid, set()).add(me.routed)
 
     def _again_in(self, error: Exception, tries: _Tries) -> float | None:
         """Trace seconds until the next attempt after `error`, or None: the step fails. A
@@ -457,7 +456,8 @@ class Replay:
         headers = response.headers if response is not None else {}
         after = retry_after_s(headers)
         after = None if after is None else after * self.config.time_scale
-        if getattr(error, "code", None) == START_DEFERRED:
+        code = getattr(error, "code", None) or headers.get(ERROR_CODE_HEADER)
+        if code == START_DEFERRED:
             tries.refusals += 1
             self.progress.deferred += 1
             return after if after is not None else 1.0
@@ -466,10 +466,6 @@ class Replay:
         delay = RETRIES.delay_s(tries.retries, after, self._retry_rng)
         tries.retries += delay is not None
         return delay
-
-    def _program_id(self, me: _Instance) -> dict[str, str]:
-        """The body's `program_id`, sent only with `--identity program-id`."""
-        return {"program_id": me.pid} if self.config.identity == "program-id" else {}
 
     @staticmethod
     def _round(me: _Instance, step: TraceStep) -> dict[str, str]:

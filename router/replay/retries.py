@@ -19,14 +19,14 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from router.policy.door import START_DEFERRED
+from router.policy.door import ERROR_CODE_HEADER, START_DEFERRED
 
 MAX_RETRIES = 2  # the SDKs' DEFAULT_MAX_RETRIES
 INITIAL_RETRY_DELAY = 0.5  # ... INITIAL_RETRY_DELAY (s)
 MAX_RETRY_DELAY = 8.0  # ... MAX_RETRY_DELAY (s)
 MAX_RETRY_AFTER_DELAY = 120.0  # ... the longest Retry-After they wait for (s)
 RETRIED_STATUS = frozenset({408, 409, 429})  # and every 5xx
-__all__ = ["START_DEFERRED", "ClientRetries", "retried", "retry_after_s"]
+__all__ = ["ERROR_CODE_HEADER", "START_DEFERRED", "ClientRetries", "retried", "retry_after_s"]
 
 
 def retried(status: int | None) -> bool:

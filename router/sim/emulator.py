@@ -533,9 +533,9 @@ async def stream_messages(replica: EmulatedReplica, flight: Flight) -> AsyncIter
         cached = flight.cached_device + flight.cached_host
         return anthropic.usage(job.input_tokens, cached, 0)
 
-    def finish() -> tuple[list[dict], str]:
+    def finish() -> tuple[list[dict], str, dict]:
         calls = _tool_calls(job) if job.tool_call is not None and not flight.aborted else []
-        return calls, _finish_reason(flight)
+        return calls, _finish_reason(flight), _sglext(flight)
 
     try:
         async for event in anthropic.stream(
@@ -610,8 +610,8 @@ def create_app(replica: EmulatedReplica) -> FastAPI:
         return parse_job(body, chat, replica.info["model_path"])
 
     def messages_job(body: Any) -> Job:
-        """SGLang's view of a Messages request: its chat translation, without the fields
-        its model drops (`session_id`, `rid`: the program is the first message's hash)."""
+        """SGLang's view of a Messages request with the MORI plugin: its chat translation,
+        with the SGLang fields the plugin carries (the program is `session_id`, as on chat)."""
         return openai_job(anthropic.to_chat(body), chat=True)
 
     @app.post("/v1/chat/completions")

@@ -119,6 +119,7 @@ class Entry:
 
     path: list[Node] = field(default_factory=list)
     hint: Hint = Hint.BUSY
+    hinted: bool = False  # a router named the program in a hint (busy above is the default)
     agent: str | None = None  # agent role, as the router named it (scores key on it)
     running: str | None = None  # rid of the request holding the path on device
 
@@ -179,6 +180,7 @@ class KVTree:
     def set_hint(self, pid: str, hint: Hint) -> Entry:
         """Type a program (its segments' ranks follow)."""
         e = self.entry(pid)
+        e.hinted = True
         if hint is not e.hint:
             old, new = RANK[e.hint], RANK[hint]
             for node in e.path:

@@ -394,11 +394,17 @@ class ReplicaEngine:
         }
 
     def programs(self) -> dict[str, dict]:
-        """Residency and hint of every program with KV here (for /mori/residency)."""
+        """Residency and hint of every program with KV here (for /mori/residency);
+        `hinted`: a router named the program (its hint is not just the default)."""
         out = {}
         for pid, e in self.tree.entries.items():
             dev, host = self.tree.residency(pid)
-            out[pid] = {"hint": e.hint.value, "device_tokens": dev, "host_tokens": host}
+            out[pid] = {
+                "hint": e.hint.value,
+                "hinted": e.hinted,
+                "device_tokens": dev,
+                "host_tokens": host,
+            }
         return out
 
     # engine loop ------------------------------------------------------------------------
