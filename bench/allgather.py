@@ -44,11 +44,11 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.multiagent
 
 from bench.multiagent import run_all  # noqa: E402
+from router.presets import get_preset  # noqa: E402
 from router.replay.generate import PRESET_DIR  # noqa: E402
 from router.replay.generators import generate, load_preset  # noqa: E402
 from router.sim.approx import ApproxReuse  # noqa: E402
 from router.sim.cli import load_scenario  # noqa: E402
-from router.sim.presets import get_preset  # noqa: E402
 from router.sim.simulator import SimConfig, simulate  # noqa: E402
 
 EXACT = ["smg", "mori", "mori+tokendance"]

@@ -41,8 +41,8 @@ from kernels.planes import HOST_LAYOUTS, Planes, device_pool, host_buffer, host_
 from kernels.restore import MirrorRestore, restore, restore_dense  # noqa: E402
 from kernels.rope import rope_inv_freq, shift_table  # noqa: E402
 from kernels.transfer import PageMove, copy_rows_reference, hint_rows, move, moved_bytes  # noqa: E402
+from router.presets import PRESETS, ModelSpec, Preset  # noqa: E402
 from router.sim.model import CostModel  # noqa: E402
-from router.sim.presets import PRESETS, ModelSpec, Preset  # noqa: E402
 
 # config.json intermediate_size and rope_theta of the dense models a decoder layer is built for
 INTERMEDIATE = {"Llama-3.1-8B": 14336, "Llama-3.1-70B": 28672}
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"setup": record.setup, "rows": rows_json, "ratios": record.ratios}
         args.json.write_text(json.dumps(payload, indent=1))
     if args.write_preset:
-        console.print(f"router/sim/presets.py: {write_preset(record, setup)}")
+        console.print(f"router/presets.py: {write_preset(record, setup)}")
     return 0
 
 

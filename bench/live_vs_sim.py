@@ -42,11 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project first: bench/kernels.py must not shadow `kernels`
 from router.demo import Stack, pick_trace, start_stack  # noqa: E402
 from router.policy.types import Placement, Tier  # noqa: E402
+from router.presets import PRESETS, get_preset  # noqa: E402
 from router.replay.client import Replay, ReplayConfig  # noqa: E402
 from router.replay.records import RunResult  # noqa: E402
 from router.replay.timeline import Sample, compare, sample, series  # noqa: E402
 from router.replay.trace import load_trace  # noqa: E402
-from router.sim.presets import PRESETS, get_preset  # noqa: E402
 from router.sim.simulator import SimConfig, Simulation, simulate  # noqa: E402
 
 EMULATOR_PRESET = "h100-8b"  # what `mori emulate` uses by default

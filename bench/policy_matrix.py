@@ -4,6 +4,8 @@
     python bench/policy_matrix.py --corpora claude-x0.25 --programs 80 --seeds 0
     python bench/policy_matrix.py --write bench/results/2026-11-23-policy-matrix.md
     python bench/policy_matrix.py --sweep aging_s=0,120,300 --seeds 0 1   # mori variants
+    python bench/policy_matrix.py --seeds 0 --duration 600 --json before.json  # parity:
+    python bench/policy_matrix.py --seeds 0 --duration 600 --compare before.json  # same figures?
 
     python bench/policy_matrix.py --deployments h200-moe-x3 --programs 50 80 --cpu-ratio 1 \
         --corpora generated claude-x0.5 --duration 1800            # the 3-replica cells
@@ -63,7 +65,11 @@ BASELINES = ("smg", "ta", "ta+o", "continuum", "mori-paper")
 TARGET_TPUT = 0.98  # mori >= 0.98x the best baseline's output tok/s
 TARGET_P99 = 2.0  # mori's TTFT p99 <= 2x smg's
 SWEPT: set[str] = set()  # knobs given by --sweep (shown in the policy column)
-METRICS = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "ttft_max_s", "running_mean", "churn")
+METRICS = (
+    "output_tok_s", "ttft_mean_s", "ttft_p99_s", "ttft_max_s", "running_mean", "churn",
+    "failed_steps", "ttft_p99_inflight_s", "start_wait_p99_s",
+)  # fmt: skip
+TIE = 1.05  # in-flight TTFT p99 within 5 % of smg's is a tie
 
 
 @dataclass(frozen=True)
@@ -123,11 +129,16 @@ def verdicts(
         return {}
     best = max(present, key=lambda b: cell[b]["output_tok_s"])
     ratio = cell[name]["output_tok_s"] / max(cell[best]["output_tok_s"], 1e-9)
+    mine = cell[name]
     out: dict[str, float | bool | str] = {"best": best, "tput_ratio": ratio}
-    out["tput_ok"] = ratio >= TARGET_TPUT
+    out["failed_ok"] = mine["failed_steps"] == 0  # a cell with failed steps is no win
+    out["tput_ok"] = ratio >= TARGET_TPUT and bool(out["failed_ok"])
     if "smg" in cell:
-        p99 = cell[name]["ttft_p99_s"] / max(cell["smg"]["ttft_p99_s"], 1e-9)
+        p99 = mine["ttft_p99_s"] / max(cell["smg"]["ttft_p99_s"], 1e-9)
         out["p99_ratio"], out["p99_ok"] = p99, p99 <= TARGET_P99
+        smg = max(cell["smg"]["ttft_p99_inflight_s"], 1.0)  # under a second: a tie
+        inflight = mine["ttft_p99_inflight_s"] / smg
+        out["inflight_ratio"], out["inflight_ok"] = inflight, inflight <= TIE
     return out
 
 
@@ -139,13 +150,16 @@ def scorecard(cells: dict, names: list[str]) -> list[str]:
         if not vs:
             continue
         tput = sum(bool(v["tput_ok"]) for v in vs)
+        failed = sum(not v["failed_ok"] for v in vs)
         p99 = sum(bool(v.get("p99_ok", True)) for v in vs)
-        both = sum(bool(v["tput_ok"]) and bool(v.get("p99_ok", True)) for v in vs)
+        inflight = sum(bool(v.get("inflight_ok", True)) for v in vs)
+        both = sum(bool(v["tput_ok"]) and bool(v.get("inflight_ok", True)) for v in vs)
         mean = statistics.fmean(float(v["tput_ratio"]) for v in vs)
         lines.append(
-            f"{name}: tok/s >= {TARGET_TPUT}x best baseline in {tput}/{len(vs)} cells, "
-            f"TTFT p99 <= {TARGET_P99}x smg in {p99}/{len(vs)}, both in {both}/{len(vs)}; "
-            f"mean ratio to the best baseline {mean:.3f}"
+            f"{name}: tok/s >= {TARGET_TPUT}x best baseline in {tput}/{len(vs)} cells "
+            f"(cells with failed steps: {failed}), in-flight TTFT p99 <= {TIE}x smg's in "
+            f"{inflight}/{len(vs)}, both in {both}/{len(vs)}; TTFT p99 <= {TARGET_P99}x smg "
+            f"in {p99}/{len(vs)}; mean ratio to the best baseline {mean:.3f}"
         )
     return lines
 
@@ -171,7 +185,8 @@ def render(cells: dict, policies: list[str], console: Console) -> list[str]:
         title = f"{group[1]} on {group[0]}"
         table = Table(title=f"{title} (mean over seeds)", header_style="bold")
         heads = ["programs", "cpu", "policy", "tok/s", "TTFT mean", "p99", "max", "in engine"]
-        heads += ["miss", "churn", "mori/best", "p99/smg"]
+        heads += ["miss", "churn", "failed", "in-flight p99", "start p99"]
+        heads += ["mori/best (higher better)", "in-flight p99/smg (lower better)"]
         for h in heads:
             table.add_column(h, justify="left" if h == "policy" else "right")
         md += [f"### {title}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
@@ -184,12 +199,15 @@ def render(cells: dict, policies: list[str], console: Console) -> list[str]:
                 row = [str(programs), f"{ratio:g}", name, f"{m['output_tok_s']:.1f}"]
                 row += [f"{m['ttft_mean_s']:.1f}", f"{m['ttft_p99_s']:.0f}"]
                 row += [f"{m['ttft_max_s']:.0f}", f"{m['running_mean']:.1f}"]
-                row += [f"{m['miss']:.0%}", f"{m['churn']:.1%}"]
+                row += [f"{m['miss']:.0%}", f"{m['churn']:.1%}", f"{m['failed_steps']:.0f}"]
+                row += [f"{m['ttft_p99_inflight_s']:.0f}", f"{m['start_wait_p99_s']:.0f}"]
                 if i == 0 and v:
                     tick = lambda ok: "" if ok else " MISS"  # noqa: E731
                     row.append(f"{v['tput_ratio']:.2f}x vs {v['best']}{tick(v['tput_ok'])}")
                     row.append(
-                        f"{v['p99_ratio']:.2f}x{tick(v['p99_ok'])}" if "p99_ratio" in v else ""
+                        f"{v['inflight_ratio']:.2f}x{tick(v['inflight_ok'])}"
+                        if "inflight_ratio" in v
+                        else ""
                     )
                 else:
                     row += ["", ""]
@@ -198,6 +216,50 @@ def render(cells: dict, policies: list[str], console: Console) -> list[str]:
         console.print(table)
         md.append("")
     return md
+
+
+def plot_frontier(cells: dict, labels: list[str], knob: str, path: Path) -> None:
+    """One panel per cell: output tok/s against in-flight TTFT p99 (lower is better) for each
+    value of the swept `knob` (a line, the policy's default starred) and for each baseline (a
+    point, its failed steps beside it: a failed step is worse than any wait)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from router.policy.base import PolicyConfig
+
+    default = getattr(PolicyConfig(), knob, None)
+    swept = [label for label in labels if label.startswith("mori[")]
+    cols = min(4, len(cells))
+    rows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4.2 * rows), squeeze=False)
+    panels = zip(axes.flat, cells.items(), strict=False)  # a grid may have spare panels
+    for ax, ((deployment, corpus, programs, ratio), cell) in panels:
+        pts = [(cell[lb]["ttft_p99_inflight_s"], cell[lb]["output_tok_s"], lb) for lb in swept]
+        ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", color="C0", label="mori")
+        for x, y, label in pts:
+            value = _value(label.split("=", 1)[1].rstrip("]"))
+            star = value == default
+            ax.annotate(f"{value:g}" + (" (default)" if star else ""), (x, y), fontsize=8)
+            if star:
+                ax.plot([x], [y], "*", ms=16, color="C3")
+        for i, name in enumerate(b for b in BASELINES if b in cell):
+            m = cell[name]
+            ax.plot(m["ttft_p99_inflight_s"], m["output_tok_s"], "s", color=f"C{i + 1}")
+            failed = f", {m['failed_steps']:.0f} failed" if m["failed_steps"] else ""
+            ax.annotate(f"{name}{failed}", (m["ttft_p99_inflight_s"], m["output_tok_s"]),
+                        fontsize=8, color=f"C{i + 1}")  # fmt: skip
+        ax.set_title(f"{corpus}, {programs} programs, CPU {ratio:g} ({deployment})", fontsize=9)
+        ax.set_xlabel("in-flight step TTFT p99 (s), lower is better")
+        ax.set_ylabel("output tok/s, higher is better")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(cells) :]:
+        ax.axis("off")
+    fig.suptitle(f"mori's {knob} against throughput and the in-flight tail (mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, help="write every run's metrics as JSON")
     parser.add_argument("--write", type=Path, help="append the tables as Markdown")
+    parser.add_argument(
+        "--frontier",
+        type=Path,
+        metavar="PNG",
+        help="with --sweep: plot each cell's output tok/s against its in-flight TTFT p99, the "
+        "swept values as a line (the default starred), the baselines as points",
+    )
+    parser.add_argument(
+        "--compare", type=Path, metavar="JSON",
+        help="exit 1 unless every run's figures equal those of this --json file (a change "
+        "meant to keep behaviour: run the same command on the parent with --json first)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     settings = tuple((k, _value(v)) for k, _, v in (s.partition("=") for s in args.settings))
 
@@ -256,8 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = scorecard(cells, [label for label in labels if label.startswith("mori")])
     for line in summary:
         console.print(line, markup=False)
+    if args.frontier and args.sweep:
+        knob = args.sweep.partition("=")[0]
+        plot_frontier(cells, labels, knob, args.frontier)
+        console.print(f"frontier plot: {args.frontier}")
+    rows = [{**run.__dict__, "settings": dict(run.settings), **row} for run, row in results]
     if args.json:
-        rows = [{**run.__dict__, "settings": dict(run.settings), **row} for run, row in results]
         args.json.write_text(json.dumps(rows, indent=1))
     if args.write:
         command = " ".join(["python bench/policy_matrix.py", *(argv or sys.argv[1:])])
@@ -265,7 +343,35 @@ def main(argv: list[str] | None = None) -> int:
         head += [f"- {line}" for line in summary] + [""]
         with args.write.open("a") as fh:
             fh.write("\n".join(head + md) + "\n")
+    if args.compare:
+        differences = compare(json.loads(args.compare.read_text()), rows)
+        for line in differences:
+            console.print(line, markup=False)
+        console.print(f"{len(rows)} runs, {len(differences)} differ from {args.compare}")
+        return 1 if differences else 0
     return 0
+
+
+def compare(before: list[dict], after: list[dict]) -> list[str]:
+    """Per run (its cell, seed, policy and settings), the figures that differ between two
+    `--json` files' rows, exactly: the simulator runs on a virtual clock, so a change that
+    keeps the policies' behaviour keeps every figure to the last digit."""
+    figures = set(METRICS) | {"miss"}
+
+    def key(row: dict) -> str:
+        return json.dumps({k: v for k, v in row.items() if k not in figures}, sort_keys=True)
+
+    old = {key(row): row for row in before}
+    out = []
+    for row in after:
+        was = old.get(key(row))
+        if was is None:
+            out.append(f"{key(row)}: not in the earlier file")
+            continue
+        moved = [f"{m} {was[m]!r} -> {row[m]!r}" for m in sorted(figures) if was.get(m) != row[m]]
+        if moved:
+            out.append(f"{key(row)}: {', '.join(moved)}")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Write a measured host<->device figure into a GPU preset of router/sim/presets.py.
+"""Write a measured host<->device figure into a GPU preset of router/presets.py.
 
 The simulator and the priced policy price a reload at `GPU.pcie_bytes_s`; `pcie_source`
 says where that figure comes from. `bench/kernels.py --write-preset` measures the reload on
@@ -13,7 +13,7 @@ import re
 import textwrap
 from pathlib import Path
 
-PRESETS = Path(__file__).resolve().parents[1] / "router" / "sim" / "presets.py"
+PRESETS = Path(__file__).resolve().parents[1] / "router" / "presets.py"
 # torch.cuda.get_device_name() fragment -> the preset constant describing that GPU
 GPU_CONSTANTS = {"H100": "H100_80GB", "H200": "H200", "B200": "B200"}
 _FIELD = re.compile(r"^    (\w+)=")

@@ -8,7 +8,8 @@
 - busy-first admission after `SchedulePolicy.calc_priority`;
 - CacheSage survival scores (engine_patches/anchor_scores.py): once the router pushes them
   with the hints, nodes shared by several programs order by (type rank, survival, LRU);
-- the HTTP routes POST /mori/hints and GET /mori/residency (docs/hint-protocol.md).
+- the HTTP routes POST /mori/hints and GET /mori/residency (docs/hint-protocol.md);
+- SGLang's Anthropic entrypoint carrying the program id (engine_patches/messages.py).
 
 Residency is exact and cheap: every hook that can change a node's tiers marks it dirty, and
 a read reconciles only the dirty nodes (O(changes), never a tree walk).
@@ -28,7 +29,7 @@ from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from engine_patches import anchor_scores
+from engine_patches import anchor_scores, messages
 from engine_patches.anchor_scores import AnchorScores
 from engine_patches.control import ControlPath
 from engine_patches.hint_book import HintBatch, HintBook, HintError
@@ -58,6 +59,7 @@ COMMON_TARGETS = (
     f"{_S}.entrypoints.http_server.get_global_state",
     f"{_S}.plugins.hook_registry.HookRegistry",
     "sglang.utils.TypeBasedDispatcher",
+    *messages.TARGETS,
 )
 
 
@@ -274,12 +276,15 @@ class MoriEngine(ABC):
                 "agents": len(self.anchors.agents),
             },
             "anchor_scores": dict(self.anchors.scores),
-            "programs": {
-                p: {"hint": (self.book.hint(p) or DEFAULT_HINT).value}
-                | self.ledger.residency(p).as_json()
-                for p in sorted(programs)
-            },
+            "programs": {p: self._row(p) for p in sorted(programs)},
         }
+
+    def _row(self, program: str) -> dict[str, Any]:
+        """One program's residency: its hint (`hinted`: a router named it, so the hint is
+        not just the default) and its tokens on each tier."""
+        hint = self.book.hint(program)
+        head = {"hint": (hint or DEFAULT_HINT).value, "hinted": hint is not None}
+        return head | self.ledger.residency(program).as_json()
 
     def handle(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.cache is None:
@@ -409,6 +414,7 @@ def register_common(engine: MoriEngine) -> None:
     if multiprocessing.parent_process() is None:
         with contextlib.suppress(ImportError):  # offline Engine without the HTTP extras
             install_http_routes()
+            messages.register()
 
 
 # --- HTTP side (main process only) ------------------------------------------------------------

@@ -85,7 +85,7 @@ def restore_cost(
 ) -> RestoreCost:
     """The traffic model: passes x a token's KV bytes over the achieved HBM bandwidth.
 
-    `hbm_bytes_s` is what the copy achieves (router.sim.presets' `Preset.bytes_s`: peak x
+    `hbm_bytes_s` is what the copy achieves (router.presets' `Preset.bytes_s`: peak x
     bw_eff), not the data-sheet peak.
     """
     passes = passes or RestorePasses()

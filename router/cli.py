@@ -22,7 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the program-aware router in front of SGLang replicas"),
     "emulate": ("router.sim.emulator", "run an emulated SGLang replica (HTTP, simulated timing)"),
     "calibrate": ("router.calibrate.cli", "fit the replica cost model to a live replica's timings"),
-    "replay": ("router.replay.cli", "replay a trace against an OpenAI endpoint (closed loop)"),
+    "replay": (
+        "router.replay.cli",
+        "replay a trace against an OpenAI or Anthropic endpoint (closed loop)",
+    ),
     "trace": ("router.replay.trace_cli", "generate, validate or summarise agent traces"),
 }
 EPILOG = "`mori COMMAND --help` lists its flags. Documentation: README.md and docs/."

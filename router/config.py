@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router.policy.base import PolicyConfig
-from router.sim.presets import PRESETS
+from router.presets import PRESETS
 
 ENV_PREFIX = "MORI_"
 # Timers given in trace seconds: `time_scale` divides them (and the KV copy time), so a
@@ -29,6 +29,8 @@ SCALED_TIMERS = (
     "reconcile_s",
     "hint_ack_timeout_s",
     "aging_s",
+    "max_step_wait_s",
+    "start_hold_s",
     "predict_lead_s",
     "predict_grace_s",
     "prefill_s_per_token",  # a price in seconds, like the KV copy time
@@ -71,6 +73,10 @@ class RouterConfig(BaseModel):
     port: int = Field(default=8000, ge=1, le=65535)
     workers: int | None = Field(default=None, ge=1)  # data-plane processes; None: the cores
     policy: str = "mori"
+    # Start as a standby: steer nothing until traffic arrives, then take over from the
+    # replicas' residency with a fencing epoch (router/owner/leadership.py). Both routers of
+    # an active/standby pair run with it (docs/deployment.md).
+    standby: bool = False
     # policy knobs: the same names, defaults and meaning as PolicyConfig (docs/policy.md)
     tick_s: float = Field(default=_POLICY.tick_s, gt=0)
     window: int = Field(default=_POLICY.window, ge=1)
@@ -82,6 +88,9 @@ class RouterConfig(BaseModel):
     displace_confidence: float = Field(default=_POLICY.displace_confidence, gt=0, le=1)
     home_wait: float = Field(default=_POLICY.home_wait, ge=0)
     band_waiver_steps: int = Field(default=_POLICY.band_waiver_steps, ge=0)
+    max_step_wait_s: float = Field(default=_POLICY.max_step_wait_s, ge=0)
+    door_load: float = Field(default=_POLICY.door_load, gt=0)
+    start_hold_s: float = Field(default=_POLICY.start_hold_s, ge=0)
     critical_ratio: float = Field(default=_POLICY.critical_ratio, ge=0, le=1)
     w_static: float = Field(default=_POLICY.w_static, ge=0)
     gpu_usage_high: float = Field(default=_POLICY.gpu_usage_high, ge=0, le=1)
@@ -102,7 +111,7 @@ class RouterConfig(BaseModel):
     # from before it has measured the replicas' own
     kv_bytes_per_token: int = Field(default=_DEFAULT_PRESET.kv_bytes_per_token, gt=0)
     pcie_gbps: float = Field(default=_DEFAULT_PRESET.pcie_bytes_s / 1e9, gt=0)  # GB/s, one way
-    gate_timeout_s: float = Field(default=300.0, gt=0)
+    gate_timeout_s: float = Field(default=_POLICY.gate_timeout_s, gt=0)
     hint_sync_s: float = Field(default=30.0, gt=0)
     hint_ack_timeout_s: float = Field(default=1.0, ge=0)  # a promoted request waits for its hint
     capacity_refresh_s: float = Field(default=60.0, gt=0)

@@ -31,7 +31,7 @@ import httpx
 from rich.console import Console
 
 from router.policy import PolicyConfig, make_policy, policy_names
-from router.replay.cli import replay_with_progress
+from router.replay.cli import add_api_argument, replay_with_progress
 from router.replay.client import ReplayConfig
 from router.replay.records import RunResult
 from router.replay.report import console as report_console
@@ -63,7 +63,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="run the comparison this many times, policies interleaved, seeds --seed, "
-        "--seed + 1, ...; the report shows means and the range of MORI's ratios",
+        "--seed + 1, ...; the report shows means and the range of MORI's ratios (one run's "
+        "ratios and wall time move with the machine's load: 3 shows the spread)",
     )
     parser.add_argument(
         "--time-scale",
@@ -98,6 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wide", action="store_true", help="results table with every metric (over 80 columns)"
     )
+    add_api_argument(parser)
     parser.add_argument(
         "--keep-running",
         action="store_true",
@@ -281,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_trace(trace)
         config = ReplayConfig(
             endpoint="",  # set once the router is up
+            api=args.api,
             concurrency=args.concurrency,
             duration_s=args.duration,
             time_scale=args.time_scale,
@@ -329,7 +332,8 @@ def _introduce(
         f"[bold]mori demo[/bold]: {args.replicas} emulated replicas "
         f"({args.gpu_tokens} GPU + {args.host_tokens} host KV tokens each), "
         f"{args.concurrency} agent programs from {trace.name} "
-        f"(tokens x{config.token_scale:g}), one fresh stack per policy{reps}."
+        f"(tokens x{config.token_scale:g}), one fresh stack per policy{reps}"
+        f"{'' if args.api == 'openai' else f', over the {args.api} API'}."
     )
     preset = _preset_flags(args)[1]
     console.print(
@@ -398,6 +402,7 @@ def _report(
         "reps": args.reps,
         "seeds": sorted({r.extra.get("seed") for r in results}),
         "time_scale": args.time_scale,
+        "api": args.api,
         "wall_s_per_run": args.duration,
         "replicas": args.replicas,
         "gpu_tokens": args.gpu_tokens,

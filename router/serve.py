@@ -30,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host",
-        help="listen address; 0.0.0.0: every interface, so set api_keys and admin_key "
+        help="listen address; 0.0.0.0: every interface, so set api_keys and admin_key first "
+        "(with neither set, every endpoint, /v1/programs included, answers without a key) "
         f"(default: {default['host'].default})",
     )
     parser.add_argument(

@@ -13,6 +13,10 @@ python3 -c 'import torch; assert torch.version.cuda is None, f"CUDA torch: {torc
 command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
   || { (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null 2>&1 \
        || echo "test.sh: docker-compose unavailable; compose config checks will skip"; }
+# HAProxy (Debian's) runs the committed proxy configs in tests/test_haproxy.py.
+command -v haproxy >/dev/null \
+  || { (apt-get update -qq && apt-get install -y -qq haproxy) >/dev/null 2>&1 \
+       || echo "test.sh: haproxy unavailable; the proxy tests will skip"; }
 python3 -m pytest -q "$@"
 # Other supported SGLang lines' real-engine tests, when asked: MORI_SGLANG_ALSO=0.5.17. CI runs
 # the newest line only (each line adds a ~2.6 GB venv and ~8 min of tests on 2 cores).

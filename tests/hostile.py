@@ -340,7 +340,7 @@ class Generator:
                 ("/v1/programs/%ff%fe/end", b"", (404,)),
                 ("/v1/programs/%00/end", b"", (404,)),
                 ("/v1/nope", b"{}", (404,)),
-                ("/v1/messages/count_tokens", b"{}", (404,)),
+                ("/v1/messages/count_tokens", b"{}", (400,)),  # relayed: no model, no messages
             ]
         )
         return Case("admin", path, raw, expect=expect)

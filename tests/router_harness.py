@@ -61,13 +61,27 @@ def router(
     """A `mori serve` process configured by a YAML file; yields its base URL once `ready`
     answers 200 (`/health`: a replica is in service; `/metrics`: the router is up). Its
     output goes to the file `log` when given."""
-    port = free_port()
+    with router_process(replicas, log, ready, **settings) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def router_process(
+    replicas: list[Any],
+    log: Path | None = None,
+    ready: str = "/health",
+    port: int | None = None,
+    **settings: Any,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`router`, yielding the process too (to kill it), on `port` when given (a restarted
+    router keeps its address)."""
+    port = port or free_port()
     config = {**FAST, **settings, "replicas": replicas, "port": port, "host": "127.0.0.1"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(config))
-        with spawn(mori("serve", "--config", str(path)), port, ready, log=log):
-            yield f"http://127.0.0.1:{port}"
+        with spawn(mori("serve", "--config", str(path)), port, ready, log=log) as proc:
+            yield f"http://127.0.0.1:{port}", proc
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from router.policy.types import EngineMode, Segment
+from router.presets import get_preset
 from router.replay.allgather import GATHER_TOOL
 from router.replay.corpus import scale_program
 from router.replay.generate import Dist
@@ -15,7 +16,6 @@ from router.replay.records import StepRecord, round_latencies
 from router.replay.trace import TraceError, dump_trace, load_trace, parse_lines
 from router.sim.approx import ApproxReuse, ApproxStore
 from router.sim.model import FirstToken, ReplicaEngine, SharedPrefix
-from router.sim.presets import get_preset
 from router.sim.segments import PromptBlocks
 from router.sim.simulator import SimConfig, simulate
 

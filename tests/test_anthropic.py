@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import anthropic
 import httpx
 import pytest
 
-from tests.router_harness import assert_clean, chat, client, emulator, programs, router
+from tests.offload_cycle import residency, run_cycle, sender
+from tests.router_harness import assert_clean, chat, client, emulator, metric, programs, router
 
 BASH = {
     "name": "Bash",
@@ -112,6 +114,35 @@ def test_both_sdks_through_the_router():
         assert view["context_tokens"] == m.usage.input_tokens + m.usage.output_tokens
         with stream(c, "go on", "anth-2", max_tokens=6) as events:
             assert events.get_final_message().usage.output_tokens <= 6
+        # the next turn's cached prefix is counted as a hit, and its split stays the
+        # router's unless the client asks for it too
+        history = [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": m.content[0].text},
+            {"role": "user", "content": "and then?"},
+        ]
+        hits = _hits(base)
+        again = ask(c, "", messages=history, metadata={"user_id": "anth-1"})
+        assert again.usage.cache_read_input_tokens > 0 and "sglext" not in again.model_extra
+        assert _hits(base) - hits == again.usage.cache_read_input_tokens
+        details = {"return_cached_tokens_details": True}
+        with c.messages.stream(
+            model="m", max_tokens=4, messages=history, metadata={"user_id": "anth-1"},
+            extra_body=details,
+        ) as events:  # fmt: skip
+            delta = [e for e in events if e.type == "message_delta"][0]
+        split = delta.model_extra["sglext"]["cached_tokens_details"]
+        assert split["device"] + split["host"] >= again.usage.cache_read_input_tokens
+        with c.messages.stream(
+            model="m", max_tokens=4, messages=history, metadata={"user_id": "anth-1"}
+        ) as events:  # a cached prefix, no split asked: the router's own is removed
+            assert all("sglext" not in (e.model_extra or {}) for e in events)
+            assert events.get_final_message().usage.cache_read_input_tokens > 0
+        # token counting needs no program: a replica counts, as SGLang does
+        counted = c.messages.count_tokens(model="m", messages=history).input_tokens
+        assert counted == sdk(a).messages.count_tokens(model="m", messages=history).input_tokens
+        with pytest.raises(anthropic.BadRequestError):
+            c.messages.count_tokens(model="m", messages="nope")  # type: ignore[arg-type]
         openai_answer = client(base).chat.completions.create(**chat("oai-1"))
         assert openai_answer.choices[0].message.content
         # the router's own errors on /v1/messages are Anthropic-shaped too
@@ -125,6 +156,14 @@ def test_both_sdks_through_the_router():
             "oai-1",
         }
         assert_clean(base)
+
+
+def _hits(base: str) -> float:
+    """Prompt tokens the router counted as found in KV (device and host)."""
+    return sum(
+        metric(base, "mori_prompt_cache_tokens_total", source=source)
+        for source in ("device", "host")
+    )
 
 
 def test_replica_killed_under_anthropic_streams_makes_the_sdk_raise():
@@ -146,3 +185,36 @@ def test_replica_killed_under_anthropic_streams_makes_the_sdk_raise():
             assert ask(c, "again", metadata={"user_id": "victim"}).content
             assert httpx.get(base + "/v1/programs/victim").json()["last_replica"] != doomed
             assert_clean(base)
+
+
+def test_a_messages_program_moves_exactly_as_a_chat_program():
+    """Through the router, a program over Messages reaches the engine under the router's
+    id, as over chat: moved to the CPU tier, the engine drops its device copy and keeps the
+    host copy; moved back, its next step finds its context cached. Nothing else is named on
+    the engine, and reconcile adopts nothing (before, the engine named a Messages request
+    by its first message: the router's program held nothing, and that name was adopted)."""
+    spec = [{"url": "", "gpu_tokens": 2500, "cpu_tokens": 20000}]
+    with emulator("--time-scale", "20") as (replica, _):
+        spec[0]["url"] = replica
+        with router(spec, reconcile_s=0.3) as base:
+            cycles = {
+                api: run_cycle(
+                    base,
+                    replica,
+                    sender(base, api, 16),
+                    f"{api}-a",
+                    f"{api}-b",
+                    "word " * 800,
+                    "other " * 1300,
+                )  # fmt: skip
+                for api in ("chat", "messages")
+            }
+            time.sleep(1.0)  # reconcile ran a few times
+            assert cycles["messages"] == cycles["chat"]
+            offloaded = cycles["chat"].offloaded
+            assert offloaded["device_tokens"] == 0 and offloaded["host_tokens"] > 1000, offloaded
+            assert cycles["chat"].cached > 1000 and cycles["chat"].back["hint"] == "busy"
+            named = {f"{api}-{p}" for api in cycles for p in "ab"}
+            assert set(residency(replica)) == named
+            assert metric(base, "mori_reconciled_programs_total", kind="adopted") == 0
+            assert programs(base)["data"] == []

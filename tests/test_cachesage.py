@@ -7,7 +7,6 @@ import pytest
 
 from router.policy import make_policy
 from router.policy.cachesage import MIN_TRANSITIONS, CacheSage, CacheSagePolicy
-from router.policy.predictor import DurationPredictor
 from router.policy.runtime import (
     AgentEvent,
     AgentRuntime,
@@ -15,7 +14,6 @@ from router.policy.runtime import (
     Item,
     ItemKind,
     PushScores,
-    ToolDurations,
     TypedHints,
     Warm,
 )
@@ -142,19 +140,14 @@ def test_scores_rank_the_predicted_next_agent_and_warm_ups_target_it():
     assert cs.predict(now)["live"] == ("A", 1.0)  # ...and F hands to A
 
 
-def test_typed_hints_and_tool_durations_plug_into_the_layer():
+def test_typed_hints_plug_into_the_layer():
     policy = make_policy("mori")
     policy.add_replica("r0", ReplicaCapacity(10_000, 10_000))
     policy.on_request("p", 0.0, 1_000)
     assert policy.programs["p"].placement.tier is Tier.GPU
-    tools = ToolDurations(DurationPredictor())
-    runtime = AgentRuntime([TypedHints(policy), tools])
+    runtime = AgentRuntime([TypedHints(policy)])
     assert runtime.score(Item(ItemKind.PROGRAM, "p")) == {"typed_hints": 2.0}  # busy
-    runtime.observe(AgentEvent(EventKind.TOOL_START, 1.0, "p", "coder", tool="Read"))
-    assert 0 < runtime.predict(1.0)["tool_durations"]["p"] < 5
-    runtime.observe(AgentEvent(EventKind.REQUEST, 9.0, "p"))  # the call took 8 s
-    assert runtime.predict(9.0)["tool_durations"] == {}
-    assert tools.predictor.predict("coder", "Read") > 0.5  # learnt from the 8 s call
+    assert runtime.score(Item(ItemKind.ANCHOR, "coder")) == {}  # no opinion on anchors
 
 
 def run_chain(policy: str, mix: float = 0.05, duration: float = 900.0) -> Simulation:

@@ -10,7 +10,7 @@ pytest.importorskip("triton", reason="needs the kernels extra: pip install -e '.
 import torch  # noqa: E402
 
 from bench import kernels as bench  # noqa: E402
-from router.sim.presets import H100_80GB, ModelSpec, Preset  # noqa: E402
+from router.presets import H100_80GB, ModelSpec, Preset  # noqa: E402
 
 # A toy model: the sections' logic at a size the interpreter runs in seconds.
 TOY = ModelSpec("toy", 1e6, 1e6, layers=2, q_heads=4, kv_heads=2, head_dim=64)

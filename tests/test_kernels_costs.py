@@ -14,8 +14,8 @@ from kernels.costs import (
     RestorePasses,
     restore_cost,
 )
-from router.sim.presets import LLAMA_31_8B
-from router.sim.presets import PRESETS as HARDWARE
+from router.presets import LLAMA_31_8B
+from router.presets import PRESETS as HARDWARE
 
 
 def test_costs_import_without_torch() -> None:

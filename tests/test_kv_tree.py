@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from router.policy.types import EngineMode, Hint
+from router.presets import get_preset
 from router.sim.model import FirstToken, ReplicaEngine, SharedPrefix
-from router.sim.presets import get_preset
 
 PRESET = get_preset("h100-8b")
 TYPED = EngineMode("typed", True)

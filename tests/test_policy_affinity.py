@@ -24,6 +24,7 @@ def make(replicas: int = 2, policy: str = "mori-priced", **cfg) -> PricedPolicy:
         "prefill_s_per_token": RECOMPUTE_S_PER_TOKEN,
         "aging_s": 0.0,
         "displace_margin": 1e9,  # no priced displacement: free room only, unless a test says
+        "max_step_wait_s": 0.0,  # mori's overload rules have their own tests
     } | cfg
     made = make_policy(policy, PolicyConfig(**cfg))
     assert isinstance(made, PricedPolicy)

@@ -256,8 +256,10 @@ def test_victims_are_ranked_only_when_a_request_waits():
     request); a request that must displace ranks them then, with the time it does so."""
     policy = make(gpu=3000)
     ranked: list[str] = []
-    expected_idle = policy.expected_idle_s
-    policy.expected_idle_s = lambda p, now: ranked.append(p.program_id) or expected_idle(p, now)
+    priced = policy.idle_if_move_pays
+    policy.idle_if_move_pays = lambda p, cost, now: (
+        ranked.append(p.program_id) or priced(p, cost, now)
+    )
     acting(policy, "a", 0.0, 1000)
     policy.tick(5.0)
     acting(policy, "b", 6.0, 1000)

@@ -14,7 +14,10 @@ WAIT = Placement(Tier.WAITING)
 def make(
     name: str = "mori-paper", replicas: int = 1, gpu: int = 1000, cpu: int = 1000, **cfg
 ) -> Policy:
-    policy = make_policy(name, PolicyConfig(**cfg))
+    """A policy over `replicas` of `gpu`/`cpu` tokens; mori's overload rules (the door and
+    the wait bound, tests/test_policy_overload.py) off unless asked for: these tests are
+    about its other rules, on replicas a few programs fill."""
+    policy = make_policy(name, PolicyConfig(**{"max_step_wait_s": 0.0, **cfg}))
     for i in range(replicas):
         policy.add_replica(f"r{i}", ReplicaCapacity(gpu, cpu))
     return policy

@@ -16,10 +16,10 @@ LOAD = 0.001  # s per token one way: 600 tokens load in 0.6 s
 
 
 def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> MoriPolicy:
-    """The predictive moves alone: mori's priced displacement and aging are switched off
-    (their rules have their own tests), so each move here is a prediction's."""
+    """The predictive moves alone: mori's priced displacement, aging and overload rules are
+    switched off (their rules have their own tests), so each move here is a prediction's."""
     cfg = {"load_s_per_token": LOAD, "predict_lead_s": 0.5, "predict_grace_s": 2.0} | cfg
-    cfg = {"displace_margin": 1e9, "aging_s": 0.0} | cfg
+    cfg = {"displace_margin": 1e9, "aging_s": 0.0, "max_step_wait_s": 0.0} | cfg
     policy = make_policy("mori", PolicyConfig(**cfg))
     assert isinstance(policy, MoriPolicy)
     for i in range(replicas):
@@ -192,6 +192,30 @@ def test_tool_end_loads_back_at_once_and_feeds_the_predictor():
     policy.on_request("a", 10.5, 600)
     assert policy.route("a") == "r0"
     assert policy.predictor.error_stats()["shell_long"].n == 1  # scored once, not twice
+
+
+def test_tool_end_of_a_program_whose_kv_is_gone_only_feeds_the_predictor():
+    """A program drained to WAITING during its tool call has no replica to load back to:
+    the client's tool end is learnt from and moves nothing (it raised ValueError: a 500
+    from `POST /v1/programs/{id}/tool_end`)."""
+    policy = make()
+    step(policy, "a", 0.0, 600)
+    policy.on_tool_start("a", 1.0, "Bash:pytest", "main")
+    policy.set_healthy("r0", False, 2.0)
+    policy.set_healthy("r0", True, 2.5)
+    assert where(policy, "a") == WAIT
+    assert policy.on_tool_end("a", 9.0) == []
+    assert policy.predictor.predict("main", "Bash:pytest") == pytest.approx(8.0)
+
+
+def test_tool_end_of_a_program_whose_kv_is_gone_moves_nothing():
+    """A CPU-tier program whose host copy the engine dropped is WAITING (reconcile): its
+    tool's end has nothing to load back (it raised, a 500 on the router's tool_end)."""
+    policy = make()
+    _offloaded(policy)
+    policy.tiers.place(policy.programs["a"], WAIT)
+    assert policy.on_tool_end("a", 10.0) == []
+    assert policy.programs["a"].placement == WAIT
 
 
 def test_misprediction_holds_room_only_until_grace_ends():

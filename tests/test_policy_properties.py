@@ -21,6 +21,7 @@ from router.policy import PolicyConfig, make_policy, policy_names
 from router.policy.base import Policy
 from router.policy.baselines import ThunderAgentPolicy
 from router.policy.continuum import ContinuumPolicy
+from router.policy.mori import MoriPolicy
 from router.policy.mori_paper import MoriPaperPolicy
 from router.policy.priced import PricedPolicy
 from router.policy.runtime import AgentEvent, EventKind
@@ -64,6 +65,8 @@ def fits_somewhere(policy: Policy, p, now: float) -> bool:
         return continuum_head_fits(policy, p)
     if isinstance(policy, PricedPolicy):
         healthy = priced_targets(policy, p, healthy, now)
+    if isinstance(policy, MoriPolicy) and policy.bounded:
+        healthy = overload_targets(policy, p, healthy, now)
     elif p.placement.tier is Tier.CPU:  # MORI: CPU programs keep their replica
         healthy = [p.placement.replica] if p.placement.replica in healthy else []
     reserve = policy.promotion_reserve if isinstance(policy, MoriPaperPolicy) else lambda r: 0
@@ -82,6 +85,19 @@ def priced_targets(policy: PricedPolicy, p, healthy: list[str], now: float) -> l
     waited_for = {q.last_replica for q in policy._held_programs() if q is not p}
     others = [r for r in healthy if r != home and r not in waited_for]
     return [home, *(r for r in others if policy._leave_for(p, r, now))]
+
+
+def overload_targets(policy: MoriPolicy, p, healthy: list[str], now: float) -> list[str]:
+    """mori's overload rules: a replica that keeps its room for an urgent step in flight
+    takes nothing else, and a start at the door goes only where no step in flight waits
+    and the programs in flight leave load to spare."""
+    healthy = [r for r in healthy if policy._held_for.get(r, p.program_id) == p.program_id]
+    if p.program_id not in policy.door:
+        return healthy
+    waited_for = {q.last_replica for q in policy._every_held() if q.program_id not in policy.door}
+    load = policy._loads(now)  # as the door last summed it
+    room = {r: policy.config.door_load * policy._room(r) for r in healthy}
+    return [r for r in healthy if r not in waited_for and load.get(r, 0.0) < room[r]]
 
 
 def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:
@@ -281,8 +297,9 @@ def test_invariants_hold_with_shared_segments(name: str, events) -> None:
 def test_demotion_counts_only_what_a_shared_victim_frees(name: str) -> None:
     """Three programs hold one 300-token segment: used 400 + 100 + 100. When the budget
     shrinks, a victim frees only its own 100 tokens while another member keeps the segment;
-    counting its whole context as freed would stop the demotion over budget."""
-    policy = make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0))
+    counting its whole context as freed would stop the demotion over budget (mori's door
+    off: three starts of 400 tokens would count 4800 of their lives against 2000)."""
+    policy = make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0, max_step_wait_s=0.0))
     policy.add_replica("r0", ReplicaCapacity(2000, 1000))
     shared = (Segment("s", "scenario", 300),)
     for i, now in enumerate((1.0, 1.1, 1.2)):

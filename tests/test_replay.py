@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 
+import httpx
 import pytest
 
 from router.replay.client import Replay, ReplayConfig
@@ -101,6 +102,28 @@ def test_replay_against_emulator_records_steps_and_cache_hits(emulator, corpus_f
     assert result.output_tok_s > 0 and result.hit_device > 0.3
     assert result.extra["duration_s"] == pytest.approx(60.0)
     assert 0 < result.gpu_util < 1
+
+
+def test_replay_over_anthropic_messages_records_what_chat_records(emulator, corpus_file):
+    """`api="anthropic"`: the Anthropic SDK over `/v1/messages` through the router, the
+    program id in `metadata.user_id`: exact answer lengths and the cache split reach the
+    client as over chat, and the engine holds each program under its replay id."""
+    _, corpus = corpus_file
+    spec = {"url": emulator, "gpu_tokens": 40000, "cpu_tokens": 60000}
+    with router([spec]) as base:
+        config = ReplayConfig(
+            base, api="anthropic", concurrency=2, duration_s=3.0, time_scale=20, start_jitter_s=0
+        )
+        run = Replay(corpus, config)
+        result = asyncio.run(run.run())
+    ok = [r for r in run.records if r.ok]
+    assert len(ok) >= 6 and not run.progress.errors
+    assert {r.output_tokens for r in ok} <= {20, 30, 10, 5, 8}  # ignore_eos reached the engine
+    later = [r for r in ok if r.input_tokens in (700, 900)]
+    assert later and all(r.cached_device > 0 for r in later), "prefix reuse reaches the engine"
+    assert result.hit_device > 0.3
+    held = httpx.get(emulator + "/mori/residency", timeout=5).json()["programs"]
+    assert {r.program_id for r in ok} <= set(held)
 
 
 def test_replay_cli_writes_the_sim_json_shape(emulator, corpus_file, tmp_path):
@@ -227,3 +250,41 @@ def test_live_replay_tells_the_router_each_tool_call_and_each_end(emulator):
         assert seen and seen[0]["last_tool"] == "Bash:pytest", seen
         assert seen[0]["status"] == "acting"
         assert not [p for p in programs(base, "key-a")["data"] if mine(p)]
+
+
+@pytest.mark.parametrize("identity", ["claude-code", "codex", "opencode", "none"])
+def test_live_replay_names_programs_as_the_harness_does(emulator, corpus_file, identity):
+    """With a harness's identity no request carries a program id or a parent: the root
+    program's session header, shared by its subagent, is all the router gets, and the
+    router still sees each replayed program as one program of its own, the subagent under
+    its parent (`none`: fingerprints only, the parent is lost). Tool calls and ends go to
+    the ids the router answered with, behind an API key too. (main-b's restart, a step
+    reusing nothing, is left out: a harness's restarted conversation is a new program.)"""
+    _, corpus = corpus_file
+    corpus = [p for p in corpus if p.program_id != "main-b"]
+    spec = {"url": emulator, "gpu_tokens": 40000, "cpu_tokens": 60000}
+    with router([spec], api_keys=["key-a"]) as base:
+        config = ReplayConfig(
+            base + "/v1",
+            api_key="key-a",
+            concurrency=2,
+            duration_s=2.0,
+            time_scale=20,
+            start_jitter_s=0,
+            identity=identity,
+        )
+        run = Replay(corpus, config)
+        asyncio.run(run.run())
+        auth = {"authorization": "Bearer key-a"}
+        sessions = httpx.get(base + "/v1/sessions", headers=auth, timeout=5).json()["data"]
+        left = {p["program_id"] for p in programs(base, "key-a")["data"]}
+    assert all(r.ok for r in run.records) and run.routed
+    routed = {pid: ids.pop() for pid, ids in run.routed.items() if len(ids) == 1}
+    assert len(routed) == len(run.routed) == len(set(routed.values()))  # no split, no merge
+    parent_of = {sub: s["main"] for s in sessions for sub in s["subagents"]}
+    children = [pid for pid, parent in run.parents.items() if parent and pid in routed]
+    assert children, "the subagent ran"
+    for pid in children:
+        expected = routed[run.parents[pid]] if identity != "none" else None
+        assert parent_of.get(routed[pid]) == expected
+    assert not left & set(routed.values())  # every program was ended by the id it had

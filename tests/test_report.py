@@ -1,9 +1,10 @@
-"""Reports: JSON shape, CSV rows, PNG files, MORI's ratios, the rich tables."""
+"""Reports: JSON shape, CSV rows, PNG files, MORI's ratios, the rich tables, the plots' values."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 
 from rich.console import Console
 
@@ -11,6 +12,8 @@ from router.policy import policy_names
 from router.replay.records import RunResult
 from router.replay.report import (
     POLICY_WORDS,
+    _bars,
+    _groups,
     print_results,
     ratio_summary,
     ratio_table,
@@ -57,7 +60,8 @@ def test_json_csv_and_plots_are_written(tmp_path):
     paths = write_reports(RESULTS, tmp_path / "out" / "run.json", title="t")
     names = sorted(p.name for p in paths)
     assert names == [
-        "run-throughput.png", "run-ttft-p99.png", "run-ttft.png", "run.csv", "run.json"
+        "run-throughput.png", "run-ttft-p99.png", "run-ttft.png", "run-waits.png", "run.csv",
+        "run.json",
     ]  # fmt: skip
     doc = json.loads((tmp_path / "out" / "run.json").read_text())
     assert len(doc["results"]) == len(RESULTS)
@@ -157,3 +161,48 @@ def test_the_legend_names_every_policy_in_words():
     for policy in ("mori", "smg", "continuum"):
         assert POLICY_WORDS[policy] in text
     assert "trace clock" in text
+
+
+def _phrases_by_end(line: str) -> dict[int, str]:
+    """A table line's cells (words apart by one space), by the column each ends at."""
+    return {m.end(): m.group() for m in re.finditer(r"\S+(?: \S+)*", line)}
+
+
+def test_ratio_headers_say_which_way_favours_mori():
+    """tok/s ratios favour MORI above 1, TTFT ratios below 1: each header says so."""
+    console = Console(record=True, width=80)
+    console.print(ratio_table(RESULTS))
+    lines = console.export_text().splitlines()
+    (i,) = [n for n, line in enumerate(lines) if "out tok/s ratio" in line]
+    header, ways = (_phrases_by_end(line) for line in lines[i : i + 2])  # right-justified
+    under = {h: ways[end] for end, h in header.items() if h.endswith(" ratio")}
+    assert under == {
+        "out tok/s ratio": "↑ higher better",
+        "TTFT mean ratio": "↓ lower better",
+        "TTFT p99 ratio": "↓ lower better",
+    }
+
+
+def test_plot_values_are_rounded_as_the_table_rounds_them():
+    """A bar's value reads as the table's cell: `1.80` beside `1.74`, not `1.8`; `9.4`, not
+    `9.44` (the plots printed three significant digits whatever the table showed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [result("mori", 24, 2.0, 612.34, 1.8), result("smg", 24, 2.0, 480.0, 3.148)]
+    console = Console(record=True, width=80)
+    console.print(results_table(runs))
+    lines = [line.split() for line in console.export_text().splitlines()]
+    rows = {cells[0]: cells for cells in lines if cells and cells[0] in ("mori", "smg")}
+    for metric in ("output_tok_s", "ttft_p99_s", "ttft_p99_inflight_s"):
+        fig, ax = plt.subplots()
+        _bars(ax, _groups(runs), ["mori", "smg"], metric)
+        values = [text.get_text() for text in ax.texts]
+        plt.close(fig)
+        assert all(v in rows[p] for p, v in zip(["mori", "smg"], values, strict=True)), (
+            metric,
+            values,
+            rows,
+        )

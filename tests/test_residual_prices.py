@@ -9,8 +9,8 @@ import pytest
 from router.policy.predictor import MIN_DIST_SAMPLES, DurationPredictor
 from router.policy.prices import QuantileTracker, ReplicaPrices
 from router.policy.residual import DurationDistribution
+from router.presets import get_preset
 from router.sim.model import CostModel
-from router.sim.presets import get_preset
 
 
 def filled(samples) -> DurationDistribution:
@@ -159,3 +159,26 @@ def test_predictor_survival_needs_a_distribution():
         predictor.observe(None, "bash", 2.0)
     assert predictor.stays_p(None, "bash", 0.0, 1.0) == pytest.approx(1.0)
     assert predictor.stays_p(None, "bash", 0.0, 5.0) == pytest.approx(0.0)
+
+
+def test_residual_answers_both_questions_exactly_as_each_alone():
+    """A victim pool asks the mean residual and the survival of each program at once
+    (`residual`): the same floats as the two questions asked apart, past the data too, and
+    from the predictor with and without a distribution."""
+    rng = random.Random(7)
+    dist = filled(rng.paretovariate(1.3) for _ in range(2_000))
+    for _ in range(2_000):
+        a, more = rng.uniform(-1.0, 2e3), rng.uniform(-1.0, 50.0)
+        assert dist.residual(a, more) == (dist.remaining_s(a), dist.survival(a, more))
+    predictor = DurationPredictor()
+    assert predictor.residual(None, "bash", 3.0, 1.0) == (
+        predictor.remaining_s(None, "bash", 3.0),
+        None,
+    )
+    for _ in range(MIN_DIST_SAMPLES):
+        predictor.observe(None, "bash", rng.uniform(0.5, 9.0))
+    for a in (0.0, 1.0, 4.0, 40.0):
+        assert predictor.residual(None, "bash", a, 2.0) == (
+            predictor.remaining_s(None, "bash", a),
+            predictor.stays_p(None, "bash", a, 2.0),
+        )

@@ -8,21 +8,38 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.config import POLICY_KNOBS, ConfigError, RouterConfig, load_config, parse_settings
-from router.policy import PolicyConfig
+from router.config import (
+    POLICY_KNOBS,
+    SCALED_TIMERS,
+    ConfigError,
+    RouterConfig,
+    load_config,
+    parse_settings,
+)
+from router.policy import REGISTRY, PolicyConfig
 from router.policy.labels import LabelError
 from router.protocol.accounting import OpenAIStream
-from router.protocol.identity import fingerprint, namespace, resolve
+from router.protocol.identity import (
+    SESSION_HEADERS,
+    fingerprint,
+    namespace,
+    resolve,
+    session_headers,
+)
 from router.protocol.intake import Hints, Intake, prepare
 from router.wire.errors import ApiError
 from tests.router_harness import assert_clean, emulators, router
 from tests.servers import mori
+
+REPO = Path(__file__).resolve().parents[1]
 
 # --- configuration -----------------------------------------------------------------------
 
@@ -78,6 +95,32 @@ def test_every_policy_knob_is_settable_on_the_router_as_in_the_simulator(tmp_pat
         assert {k: getattr(config, k) for k in knobs} == changed
 
 
+def test_the_example_config_and_the_docs_say_what_the_code_does():
+    """configs/router.yaml sets every setting it names to the code's default (loading it
+    changes nothing but the replicas it lists: its round_share_min was 0.25 against 0.5),
+    it, docs/router.md and docs/policy.md's table name every registered policy, and the
+    docs name every timer `time_scale` divides."""
+    example = yaml.safe_load((REPO / "configs/router.yaml").read_text())
+    fields = RouterConfig.model_fields
+    differ = {
+        k: (v, fields[k].default)
+        for k, v in example.items()
+        if k not in ("replicas", "api_keys") and v != fields[k].default
+    }
+    assert differ == {}
+    docs = (REPO / "docs/router.md").read_text()
+    policy_row = next(line for line in docs.splitlines() if line.startswith("| `policy` |"))
+    example_text = (REPO / "configs/router.yaml").read_text()
+    comment = example_text[example_text.index("policy: mori") :].split("\nlog_level")[0]
+    listed = set(comment.replace("|", " ").split())
+    table = [line for line in (REPO / "docs/policy.md").read_text().splitlines() if "|" in line]
+    for name in REGISTRY:
+        assert f"`{name}`" in policy_row and name in listed, name
+        assert any(line.startswith(f"| `{name}`") for line in table), name
+    scale_row = next(line for line in docs.splitlines() if line.startswith("| `time_scale` |"))
+    assert [t for t in SCALED_TIMERS if f"`{t}`" not in scale_row] == []
+
+
 def test_replicas_from_env_accept_overrides():
     env = {"MORI_REPLICAS": '[{"url": "http://a:1/", "gpu_tokens": 500}, "http://b:2"]'}
     config = load_config(None, env=env)
@@ -119,10 +162,10 @@ def test_config_errors_never_echo_secrets(tmp_path):
 
 def test_program_id_sources_in_order():
     body = {"program_id": "a", "extra_body": {"program_id": "b"}, "metadata": {"user_id": "d"}}
-    assert resolve(body, "c", "") == "a"
-    assert resolve({"extra_body": {"program_id": "b"}}, "c", "") == "b"
-    assert resolve({"metadata": {"user_id": "d"}}, "c", "") == "c"
-    assert resolve({"metadata": {"user_id": "d"}}, None, "") == "d"
+    assert resolve(body, "c", "") == ("a", "program_id", None, ())
+    assert resolve({"extra_body": {"program_id": "b"}}, "c", "").program_id == "b"
+    assert resolve({"metadata": {"user_id": "d"}}, "c", "").program_id == "c"
+    assert resolve({"metadata": {"user_id": "d"}}, None, "").source == "metadata.user_id"
     assert resolve({"program_id": "a"}, None, namespace("key1")) != resolve(
         {"program_id": "a"}, None, namespace("key2")
     )
@@ -130,6 +173,35 @@ def test_program_id_sources_in_order():
         resolve({"program_id": {"nested": 1}}, None, "")
     with pytest.raises(LabelError):
         resolve({"program_id": "x" * 1000}, None, "")
+
+
+def test_session_headers_come_after_explicit_ids_and_before_user_id():
+    """The harness headers in Dynamo's order, each naming a session whose programs are its
+    conversations; an unusable value is skipped (and reported), never an error."""
+    convo = {"messages": [{"role": "user", "content": "fix it"}], "metadata": {"user_id": "u"}}
+    fp = fingerprint(convo)
+    every = {
+        "x-opencode-session": "oc",
+        "session_id": "old",
+        "session-id": "cx",
+        "x-claude-code-session-id": "cc",
+        "x-dynamo-session-id": "dyn",
+    }
+    order = []
+    while every:
+        who = resolve(convo, None, "k/", session_headers(every))
+        order.append(who.source)
+        assert who.program_id == f"{who.session}/{fp}" and who.session.startswith("k/")
+        del every[who.source.lower()]
+    assert order == [name for _, name in SESSION_HEADERS]
+    assert resolve(convo, "x", "", session_headers({"session-id": "cx"})).program_id == "x"
+    bad = {"x-claude-code-session-id": "a\x00b", "session-id": " ok ", "session_id": "no"}
+    who = resolve(convo, None, "", session_headers(bad))
+    assert (who.session, who.ignored) == ("ok", ("X-Claude-Code-Session-Id",))
+    latin = {"x-dynamo-session-id": "\xff\xfe", "session-id": "x" * 300}
+    who = resolve(convo, None, "", session_headers(latin))
+    assert (who.program_id, who.ignored) == ("u", ("X-Dynamo-Session-ID", "session-id"))
+    assert resolve({"messages": convo["messages"]}, None, "").source == "fingerprint"
 
 
 async def test_large_bodies_are_prepared_in_the_worker_process():
@@ -293,6 +365,28 @@ async def test_keys_guard_clients_and_admin(replica_url):
         assert (await c.get("/v1/programs", headers=admin)).json()["data"] == []
 
     await _with_router(replica_url, run, api_keys=["client-key"], admin_key="admin-key")
+
+
+@pytest.mark.parametrize(
+    ("keys", "unkeyed"), [({}, 200), ({"api_keys": ["client-key"]}, 401)], ids=["none", "client"]
+)
+async def test_without_an_admin_key_the_admin_endpoints_take_what_clients_take(
+    replica_url, keys, unkeyed
+):
+    """docs/router.md: with no `admin_key`, a valid client key opens /v1/programs and
+    /v1/replicas, and with no `api_keys` either they answer without a key; /health and
+    /metrics never ask for one."""
+
+    async def run(c):
+        for path in ("/v1/programs", "/v1/replicas"):
+            assert (await c.get(path)).status_code == unkeyed, path
+            if keys:
+                r = await c.get(path, headers={"authorization": "Bearer client-key"})
+                assert r.status_code == 200, path
+        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/health")).status_code == 200
+
+    await _with_router(replica_url, run, **keys)
 
 
 json_values = st.recursive(

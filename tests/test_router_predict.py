@@ -19,8 +19,8 @@ from router.owner.controller import Router
 from router.policy import PolicyConfig
 from router.policy.mori import MoriPolicy
 from router.policy.types import ReplicaCapacity
+from router.presets import PRESETS
 from router.protocol.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
-from router.sim.presets import PRESETS
 from tests.router_harness import (
     ScriptedReplica,
     assert_clean,
@@ -61,8 +61,11 @@ async def test_predicted_load_back_runs_on_a_wakeup_between_ticks():
     policy's wake-up can do it, and it must not spin while it waits."""
     url = "http://127.0.0.1:9"  # never contacted: the test drives the policy events itself
     config = load_config(None, {"replicas": [url], "tick_s": 600}, env={})
-    # the time scheduler alone (priced displacement off: B would move A at once)
-    policy = MoriPolicy(PolicyConfig(tick_s=0.2, predict_lead_s=1.5, displace_margin=1e9))
+    # the time scheduler alone (priced displacement off: B would move A at once; the door
+    # open: A's expected growth alone would fill this tiny replica and keep B out)
+    policy = MoriPolicy(
+        PolicyConfig(tick_s=0.2, predict_lead_s=1.5, displace_margin=1e9, door_load=100.0)
+    )
     ticks: list[float] = []
     tick = policy.tick
     policy.tick = lambda now: ticks.append(now) or tick(now)  # count, then run for real

@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 
 import httpx
+import openai
 
 from router.owner.reconcile import Held, parse_residency, reconcile
 from router.policy import make_policy
 from router.policy.types import WAITING, Hint, Placement, ReplicaCapacity, Tier
-from tests.router_harness import chat, client, emulators, programs, router
+from tests.router_harness import chat, client, emulator, emulators, metric, programs, router
 
 GPU, CPU = Tier.GPU, Tier.CPU
 
@@ -43,6 +44,21 @@ def test_unknown_programs_are_adopted_on_the_tier_their_hint_names():
     assert reconcile(policy, views, now=11.0).adopted == {}  # known now: nothing to do
 
 
+def test_a_takeover_adopts_waiting_programs_with_their_home():
+    """`inactive` programs that still hold KV: left alone by the periodic check (often ended
+    ones), adopted into WAITING at a takeover with the replica holding them as their home."""
+    views = {
+        "r0": {"w": Held("r0", 0, 800, Hint.INACTIVE)},
+        "r1": {"w": Held("r1", 0, 100, Hint.INACTIVE)},
+    }
+    assert reconcile(_policy(), views, now=1.0).adopted == {}
+    policy = _policy()
+    assert reconcile(policy, views, now=1.0, waiting=True).adopted == {"w": WAITING}
+    p = policy.programs["w"]
+    assert p.last_replica == "r0" and p.context_tokens == 800 and not p.is_new
+    assert policy.tiers.used(Placement(GPU, "r0")) == policy.tiers.used(Placement(CPU, "r0")) == 0
+
+
 def test_a_cpu_tier_program_whose_host_copy_is_gone_leaves_the_tier():
     policy = _policy()
     reconcile(policy, {"r0": {"b": Held("r0", 0, 700, Hint.IDLE)}}, now=1.0)
@@ -55,11 +71,56 @@ def test_a_cpu_tier_program_whose_host_copy_is_gone_leaves_the_tier():
 
 
 def test_parse_residency_skips_malformed_rows():
-    doc = {"programs": {"ok": {"hint": "idle", "device_tokens": 0, "host_tokens": 5},
-                        "bad": {"hint": "hot", "device_tokens": 0, "host_tokens": 5},
-                        "worse": "nope"}}  # fmt: skip
-    assert parse_residency("r", doc) == {"ok": Held("r", 0, 5, Hint.IDLE)}
+    doc = {"programs": {
+        "ok": {"hint": "idle", "hinted": True, "device_tokens": 0, "host_tokens": 5},
+        "mine": {"hint": "busy", "device_tokens": 3, "host_tokens": 3},
+        "bad": {"hint": "hot", "device_tokens": 0, "host_tokens": 5},
+        "worse": "nope",
+    }}  # fmt: skip
+    assert parse_residency("r", doc) == {
+        "ok": Held("r", 0, 5, Hint.IDLE),
+        "mine": Held("r", 3, 3, Hint.BUSY, hinted=False),  # no `hinted`: no router named it
+    }
     assert parse_residency("r", ["not", "a", "dict"]) == {}
+
+
+def test_programs_no_router_named_are_never_adopted():
+    """The engine's own names (KV of requests that reached it without the router's id, typed
+    by default) may be other names of known programs: adopting them counts tokens twice."""
+    policy = _policy()
+    views = {"r0": {"anon-1": Held("r0", 900, 900, Hint.BUSY, hinted=False),
+                    "anon-2": Held("r0", 0, 700, Hint.IDLE, hinted=False)},
+             "r1": {"named": Held("r1", 0, 300, Hint.IDLE),
+                    "anon-1": Held("r1", 50, 50, Hint.BUSY, hinted=False)}}  # fmt: skip
+    assert reconcile(policy, views, now=1.0).adopted == {"named": Placement(CPU, "r1")}
+    assert set(policy.programs) == {"named"}
+    assert policy.tiers.used(Placement(GPU, "r0")) == 0
+
+
+def test_a_program_ended_while_the_engines_were_read_is_not_adopted_back():
+    """The engine still typed it when it answered (the router's `inactive` was not applied
+    yet): the likely adoption seen once in a 45 s demo run over chat, before this rule."""
+    policy = _policy()
+    views = {"r0": {"gone": Held("r0", 900, 900, Hint.BUSY), "b": Held("r0", 0, 70, Hint.IDLE)}}
+    outcome = reconcile(policy, views, now=1.0, ended={"gone"})
+    assert outcome.adopted == {"b": Placement(CPU, "r0")} and "gone" not in policy.programs
+
+
+def test_a_name_the_engine_gave_a_known_conversation_is_not_adopted():
+    """A conversation the router serves as `known` also reached the engine without the
+    router's id (sent to the replica directly here; SGLang's Messages entrypoint dropped the
+    id before the engine patch carried it): the engine holds it under a name made of its
+    first message. Reconcile, run every 0.2 s, adopts nothing: the router lists `known` only."""
+    text = "word " * 300
+    with emulator("--time-scale", "20") as (replica, _), router([replica], reconcile_s=0.2) as base:
+        client(base).chat.completions.create(**chat("known", text))
+        direct = openai.OpenAI(base_url=replica + "/v1", api_key="none", max_retries=0)
+        direct.chat.completions.create(**{**chat("", text), "extra_body": {}})
+        held = httpx.get(replica + "/mori/residency", timeout=5).json()["programs"]
+        assert len(held) == 2 and "known" in held, held  # known, and the engine's own name
+        time.sleep(1.0)
+        assert metric(base, "mori_reconciled_programs_total", kind="adopted") == 0
+        assert [p["program_id"] for p in programs(base)["data"]] == ["known"]
 
 
 def _tiers(base: str) -> dict[str, tuple[str, str | None]]:

@@ -10,7 +10,7 @@ import math
 import subprocess
 from pathlib import Path
 
-from router.sim.preset_file import read_preset
+from router.presets import read_preset
 from tests.servers import mori
 from tests.sglang.server import REAL_ENGINE, installed_version, tiny_engine
 

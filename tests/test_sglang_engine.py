@@ -143,7 +143,7 @@ def test_busy_program_is_loaded_back_and_served_from_device(server: Server):
     first = generate(server, program)
     hints(server, 20, {program: "idle"})  # offload: device copy freed, host copy kept
     res = server.residency()["programs"][program]
-    assert res == {"hint": "idle", "device_tokens": 0, "host_tokens": PROMPT_LEN}
+    assert res == {"hint": "idle", "hinted": True, "device_tokens": 0, "host_tokens": PROMPT_LEN}
     answer = hints(server, 21, {program: "busy"})  # queue load-back for the next prefill
     assert answer["residency"][program] == {"device_tokens": PROMPT_LEN, "host_tokens": PROMPT_LEN}
     again = generate(server, program)
@@ -173,7 +173,9 @@ def test_chat_endpoint_carries_session_id(server: Server, client: OpenAI):
         max_tokens=2,
         extra_body={"session_id": "chat1"},
     )
-    assert server.residency()["programs"]["chat1"]["host_tokens"] > 0
+    row = server.residency()["programs"]["chat1"]
+    assert row["host_tokens"] > 0
+    assert row["hint"] == "busy" and row["hinted"] is False  # the default: no router named it
 
 
 def test_router_in_front_of_two_patched_replicas(tmp_path: Path):

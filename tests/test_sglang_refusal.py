@@ -58,7 +58,7 @@ def test_plain_sglang_answers_hints_unsupported_and_the_router_serves_through(pl
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         out = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            extra_body={"program_id": "plain-1"},
+            extra_body={"program_id": "plain-1", "ignore_eos": True},  # random weights
         )  # fmt: skip
         assert out.usage.completion_tokens == 2
         assert metric(base, "mori_hint_unsupported_total") >= 1

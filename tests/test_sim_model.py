@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.policy.types import EngineMode, Hint
+from router.presets import PRESETS, get_preset
 from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine
-from router.sim.presets import PRESETS, get_preset
 
 PRESET = get_preset("h100-8b")
 TYPED = EngineMode("typed", True)

@@ -7,9 +7,9 @@ import pytest
 
 from router.policy import PolicyConfig, make_policy
 from router.policy.types import Placement, ReplicaCapacity, Tier
+from router.presets import get_preset
 from router.replay.timeline import compare, sample, series
 from router.sim.model import ReplicaEngine
-from router.sim.presets import get_preset
 from router.sim.simulator import SimConfig, Simulation
 
 

@@ -3,7 +3,7 @@
 Times the replica with a fixed probe schedule (router/calibrate/probes.py), fits the cost
 model's prices to the timings by least squares with the model itself as the forward model
 (router/calibrate/fit.py), prints measured against fitted for every probe, plots them, and
-writes a preset file (router/sim/preset_file.py) that `mori sim`, `mori emulate` and `mori
+writes a preset file (router/presets.py) that `mori sim`, `mori emulate` and `mori
 demo` take with `--preset-file FILE`. The file keeps the date, the endpoint's
 `/get_server_info`, which prices were measured (and which held at an estimate) and the
 residuals of every timed call.
@@ -32,8 +32,7 @@ from rich.table import Table
 
 from router.calibrate.fit import NAMES, SHARES, FitResult, Prices, fit, observed
 from router.calibrate.probes import Call, Endpoint, Probe, Timing, measure, schedule
-from router.sim.preset_file import write_preset
-from router.sim.presets import GPU, ModelSpec, Preset, get_preset
+from router.presets import GPU, ModelSpec, Preset, get_preset, write_preset
 
 # fitted price -> the preset term it sets, and its unit as printed
 TERMS = {

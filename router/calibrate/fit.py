@@ -10,7 +10,7 @@ minimises their squares over the prices, from a start that linear regressions on
 prefill and decode probes give (never from the answer).
 
 The prices, in seconds, then become a preset: effective FLOP and byte rates for the
-model's shape, the engine terms beside them (router/sim/presets.py).
+model's shape, the engine terms beside them (router/presets.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from scipy.optimize import least_squares, nnls
 
 from router.calibrate.probes import Probe, Timing
 from router.policy.types import EngineMode, Hint
+from router.presets import GPU, Preset
 from router.sim.model import Done, FirstToken, ReplicaEngine
-from router.sim.presets import GPU, Preset
 
 SHARES = ("prefix_attention", "load_serial")  # prices that are shares in [0, 1]
 NOISE_SHARE = 0.25  # see fit(): how short a probe is timed to a relative error

@@ -95,18 +95,20 @@ class Replica:
     # hints -----------------------------------------------------------------------
     async def push_hints(
         self, epoch: int, hints: dict[str, Hint], full: bool, extra: dict | None = None
-    ) -> None:
-        """POST one hint batch (with `extra` fields: CacheSage's `scores` and `agents`);
+    ) -> Any:
+        """POST one hint batch (with `extra` fields: CacheSage's `scores` and `agents`) and
+        return the decoded answer (`"stale": true`: refused, another router took over);
         raises HintsUnsupported on 404/405/501, UpstreamError or ValueError otherwise."""
         payload = {"epoch": epoch, "full": full, "hints": {p: h.value for p, h in hints.items()}}
         payload.update(extra or {})
-        status, _ = await self.upstream.call_json(
+        status, answer = await self.upstream.call_json(
             self.url, b"POST", b"/mori/hints", payload, self.health_timeout_s
         )
         if status in UNSUPPORTED:
             raise HintsUnsupported(self.url)
         if status >= 400:
             raise ValueError(f"{self.url}/mori/hints answered {status}")
+        return answer
 
     async def fetch_residency(self) -> Any:
         """The decoded `/mori/residency` answer; raises HintsUnsupported without one,

@@ -4,7 +4,8 @@
 `controller` (the imperative shell around the pure policy: clock, loops, moves ->
 hints), `exchange` (one request's life as the owner sees it: turn, gate, attempts,
 prices), `gate` (holds a request until its program is on a GPU tier), `reconcile` (the
-tiers checked against the engines' residency), `metrics` (Prometheus) and `api` (the
+tiers checked against the engines' residency), `leadership` (active/standby: takeover
+epochs that fence an earlier active), `metrics` (Prometheus) and `api` (the
 admin API, program and tool endpoints, /health, /metrics).
 
 May import: every shell package below it (`plane`, to run a worker in its own process;

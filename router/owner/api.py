@@ -66,6 +66,22 @@ def create_app(
                     return Response(content, media_type="application/json")
         raise ApiError(503, "no healthy replica answered /v1/models", code="upstream_unavailable")
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic token counting: no program and no KV, so the first healthy replica
+        that answers counts (every replica serves the one model); its answer, errors
+        included (Anthropic-shaped, as SGLang and the emulator send them), is relayed."""
+        auth.client(request.headers)
+        body = await request.body()
+        path = b"/v1/messages/count_tokens"
+        for url in router.policy.tiers.replicas():
+            with contextlib.suppress(UpstreamError):
+                status, content = await router.upstream.call(
+                    url, b"POST", path, body, timeout_s=config.request_timeout_s
+                )
+                return Response(content, status_code=status, media_type="application/json")
+        raise ApiError(503, "no healthy replica answered count_tokens", code="upstream_unavailable")
+
     # programs --------------------------------------------------------------------------
     def program_of(request: Request, program_id: str) -> str:
         """Admin callers name the full id; clients name their own (namespaced by key)."""
@@ -73,14 +89,16 @@ def create_app(
             return program_id
         return identity.namespace(auth.client(request.headers)) + program_id
 
-    def known(program_id: str) -> None:
+    async def known(program_id: str) -> None:
+        """A program event is traffic: a standby takes over first (router/owner/leadership.py)."""
+        await router.ensure_active()
         if program_id not in router.policy.programs:
             raise ApiError(404, f"no live program {program_id!r}", param="program_id")
 
     @app.post("/v1/programs/{program_id:path}/end")
     async def end_program(request: Request, program_id: str) -> dict[str, Any]:
         pid = program_of(request, program_id)
-        known(pid)
+        await known(pid)
         router.end_program(pid)
         return {"program_id": pid, "ended": True}
 
@@ -97,7 +115,7 @@ def create_app(
         if predict is not None and (not _number(predict) or predict < 0):
             raise ApiError(400, "`predict_time` must be a number of seconds >= 0", "predict_time")
         agent = agent_role(body.get("agent"), request_hints(request.headers, None).agent)
-        known(pid)
+        await known(pid)
         router.tool_event(
             pid, lambda now: router.policy.on_tool_start(pid, now, tool, agent, predict)
         )
@@ -106,7 +124,7 @@ def create_app(
     @app.post("/v1/programs/{program_id:path}/tool_end")
     async def tool_end(request: Request, program_id: str) -> dict[str, Any]:
         pid = program_of(request, program_id)
-        known(pid)
+        await known(pid)
         router.tool_event(pid, lambda now: router.policy.on_tool_end(pid, now))
         return {"program_id": pid}
 
@@ -119,16 +137,26 @@ def create_app(
             "policy": router.policy.name,
             "gate": {"waiting": router.gate.waiting, "turns": router.gate.turns},
             "in_flight": router.in_flight,
-            "data": [router.policy.describe(pid, now) for pid in list(router.policy.programs)],
+            "data": [describe(pid, now) for pid in list(router.policy.programs)],
         }
 
     @app.get("/v1/programs/{program_id:path}")
     async def get_program(request: Request, program_id: str) -> dict[str, Any]:
         auth.admin(request.headers)
-        view = router.policy.describe(program_id, router.clock())
+        view = describe(program_id, router.clock())
         if view is None:
             raise ApiError(404, f"no live program {program_id!r}", param="program_id")
         return view
+
+    def describe(program_id: str, now: float) -> dict[str, Any] | None:
+        """The policy's view of a live program, with its identity's source and parent."""
+        view = router.policy.describe(program_id, now)
+        return None if view is None else {**view, **router.sessions.of(program_id)}
+
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request) -> dict[str, Any]:
+        auth.admin(request.headers)
+        return {"object": "list", "data": router.sessions.view()}
 
     # applications (agent graphs: mori+space) ---------------------------------------------
     def graphs_policy() -> Any:
@@ -192,7 +220,7 @@ def create_app(
     async def replicas(request: Request) -> dict[str, Any]:
         auth.admin(request.headers)
         data = [replica_view(router, url) for url in router.replicas]
-        return {"object": "list", "policy": router.policy.name, "data": data}
+        return {"object": "list", "policy": router.policy.name, **role(router), "data": data}
 
     # operations --------------------------------------------------------------------------
     @app.get("/health")
@@ -200,6 +228,7 @@ def create_app(
         healthy = len(router.policy.tiers.replicas())
         status = 200 if healthy else 503
         body = {"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy}
+        body.update(role(router))
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
@@ -209,6 +238,11 @@ def create_app(
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
     return app
+
+
+def role(router: Router) -> dict[str, Any]:
+    """Whether this router steers the replicas now, and its last hint epoch."""
+    return {"role": "active" if router.active else "standby", "epoch": router.epoch}
 
 
 def replica_view(router: Router, url: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +20,10 @@ from router.config import RouterConfig
 from router.engines.outliers import Outliers
 from router.engines.replicas import HintsUnsupported, Replica, make_replicas, make_upstream
 from router.owner.gate import Gate
+from router.owner.leadership import epoch_above, refused, reported_epoch
 from router.owner.metrics import RouterMetrics
-from router.owner.reconcile import parse_residency, reconcile
+from router.owner.reconcile import Outcome, parse_residency, reconcile
+from router.owner.sessions import Sessions
 from router.policy import Policy, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
 from router.policy.types import Hint, Move, ReplicaCapacity, Status, Tier
@@ -53,7 +55,7 @@ class Router:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.policy = policy or make_policy(config.policy, config.policy_config())
+        self._install(policy or make_policy(config.policy, config.policy_config()))
         self.metrics = RouterMetrics()
         self.gate = Gate(clock)
         self.outliers = Outliers(clock, config.stall_s, config.outlier_failures, config.eject_s)
@@ -61,23 +63,24 @@ class Router:
         self.replicas = make_replicas(config, self.upstream)
         # told of every drain (url, why) and rejoin (url, None): the data-plane workers
         self.listeners: list[Callable[[str, str | None], None]] = []
-        self.epoch = 0
+        self.epoch = 0  # of the last hint batch (router/owner/leadership.py)
+        self.active = False  # steers the replicas: took over, not refused since
+        self._takeover: asyncio.Future[None] | None = None  # the takeover in progress
+        self._terms = 0  # takeovers so far
         self.in_flight = 0
         self._chars_per_token: dict[str, float] = {}
         self._hints_dirty = asyncio.Event()
         # Busy-hint acknowledgement: hint push rounds started / finished, and the round each
         # freshly promoted program waits for before its request is forwarded.
         self._rounds_started = self._rounds_done = 0
+        self._fenced = False  # a replica refused a batch of this term
         self._rounds = asyncio.Condition()
         self._ack_round: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._probes: dict[str, asyncio.Future[bool]] = {}  # health probe in flight per replica
-        self._next_wakeup = getattr(self.policy, "next_wakeup", None)  # predictive only
-        # agent runtime layer (CacheSage): events in, actions out; None for other policies
-        self._observe = getattr(self.policy, "observe", None)
-        self._actions = getattr(self.policy, "runtime_actions", None)
         self.anchors = AnchorBook()
+        self.sessions = Sessions()
         self._scores: dict[str, dict] = {}  # replica -> latest survival scores to push
         self._agents: dict[str, dict[str, str]] = {}  # replica -> program agents to push
         self._warming: set[str] = set()  # replicas with a warm-up in flight
@@ -109,8 +112,11 @@ class Router:
                 self.policy.add_replica(replica.url, result)
         loops = [self._tick_loop, self._capacity_loop, self._health_loop]
         if self.policy.sends_hints:
-            await self.reconcile()  # before the first full sync: adopt what the engines hold
             loops += [self._hint_loop, self._reconcile_loop]
+        if self.config.standby:
+            log.warning("standby: taking over when traffic arrives")
+        else:
+            await self.ensure_active()
         self.metrics.refresh_tiers(self.policy)
         self._tasks = [asyncio.create_task(loop(), name=loop.__name__) for loop in loops]
 
@@ -156,6 +162,16 @@ class Router:
         """Whether requests' anchors must reach the owner (a runtime-layer policy warms
         them); the workers leave them out of the ticket otherwise."""
         return self._observe is not None
+
+    def identify(self, ticket: Ticket) -> Ticket:
+        """File the request's program in the sessions book: the ticket comes back with its
+        parent (the one it named, else its session's main program). Session headers it
+        sent that could not be used are counted."""
+        if ticket.identity is not None:
+            for header in ticket.identity.ignored:
+                self.metrics.count(self.metrics.identity_ignored, header)
+        parent = self.sessions.admit(ticket.program_id, ticket.identity, ticket.parent)
+        return ticket if parent == ticket.parent else ticket._replace(parent=parent)
 
     def observe_request(self, ticket: Ticket) -> None:
         """Tell a runtime-layer policy who is asking (before `on_request`)."""
@@ -215,9 +231,11 @@ class Router:
                 replica.url, b"POST", b"/v1/chat/completions", body, timeout_s
             )
             outcome = "ok" if status == 200 else f"http_{status}"
-            if status == 200 and replica.hints_supported:
-                self.epoch = max(self.epoch + 1, int(time.time() * 1000))
-                await replica.push_hints(self.epoch, {program_id: Hint.INACTIVE}, False)
+            if status == 200 and replica.hints_supported and self.active:
+                self.epoch += 1
+                answer = await replica.push_hints(self.epoch, {program_id: Hint.INACTIVE}, False)
+                if refused(answer):
+                    self.step_down(replica.url, answer)
         except (UpstreamError, ValueError, HintsUnsupported) as e:
             outcome = type(e).__name__
         finally:
@@ -332,7 +350,7 @@ class Router:
         self.apply(self.policy.set_healthy(replica.url, True, self.clock()))
         self.metrics.replica_healthy.labels(replica.url).set(1)
         self._tell(replica.url, None)
-        if self.policy.sends_hints:
+        if self.policy.sends_hints and self.active:
             await self.sync_hints(full=True)
 
     # loops -------------------------------------------------------------------------
@@ -429,31 +447,141 @@ class Router:
 
     # residency -------------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
-        await self._every(self.config.reconcile_s, self.reconcile)
+        async def flushed_then_reconciled() -> None:
+            await self._hints_flushed()
+            await self.reconcile()
+
+        await self._every(self.config.reconcile_s, flushed_then_reconciled)
+
+    async def _hints_flushed(self) -> None:
+        """Until a hint round begun now was answered (at most `hint_ack_timeout_s`): the
+        engines have then heard `inactive` for every program ended so far, which reconcile
+        would otherwise read as held, named and unknown, and adopt back."""
+        needed = self._rounds_started + 1
+        self._hints_dirty.set()
+        await self._round_done(needed)
 
     async def reconcile(self) -> None:
         """Check the tiers against every healthy replica's `/mori/residency`
-        (router/owner/reconcile.py); a replica that does not answer is left out this time."""
+        (router/owner/reconcile.py); a replica that does not answer is left out this time,
+        and a program that ends while the engines are read is not adopted back. A standby
+        holds no tiers: it reads the residency when it takes over."""
+        if self.active:
+            known = set(self.policy.programs)
+            docs = await self._residency()
+            self._reconciled(docs, ended=known - self.policy.programs.keys())
+
+    async def _residency(self) -> dict[str, Any]:
+        """url -> `/mori/residency` answer of every healthy replica that gave one."""
         urls = [u for u in self.replicas if self.policy.tiers.healthy.get(u)]
         docs = await asyncio.gather(
             *(self.replicas[u].fetch_residency() for u in urls), return_exceptions=True
         )
-        views = {
-            url: parse_residency(url, doc)
+        return {
+            url: doc
             for url, doc in zip(urls, docs, strict=True)
             if not isinstance(doc, BaseException)
         }
-        outcome = reconcile(self.policy, views, self.clock())
+
+    def _reconciled(
+        self, docs: dict[str, Any], waiting: bool = False, ended: Collection[str] = ()
+    ) -> Outcome:
+        """Reconcile the tiers with the residency `docs` (`waiting`: a takeover, which adopts
+        the programs held in WAITING too; `ended`: programs ended while the docs were read,
+        never adopted back); log and count what changed."""
+        views = {url: parse_residency(url, doc) for url, doc in docs.items()}
+        outcome = reconcile(self.policy, views, self.clock(), waiting, ended)
         if outcome.adopted or outcome.lost:
             log.warning(
-                "residency: adopted %d programs the engines hold, %d CPU-tier programs "
+                "residency: adopted %d programs the engines hold (%s), %d CPU-tier programs "
                 "lost their host copy",
                 len(outcome.adopted),
+                ", ".join(sorted(outcome.adopted)[:5]),
                 len(outcome.lost),
             )
             self.metrics.reconciled.labels("adopted").inc(len(outcome.adopted))
             self.metrics.reconciled.labels("lost").inc(len(outcome.lost))
             self.metrics.refresh_tiers(self.policy)
+        return outcome
+
+    # leadership (router/owner/leadership.py) -----------------------------------------------
+    async def ensure_active(self) -> None:
+        """Traffic reached this router (or it starts alone): be the active router before
+        admitting it. Concurrent requests share one takeover."""
+        if self.active:
+            return
+        if self._takeover is None or self._takeover.done():
+            self._takeover = asyncio.ensure_future(self._take_over())
+        await asyncio.shield(self._takeover)
+
+    async def _take_over(self) -> None:
+        """Rebuild the tiers from the replicas' residency, fence every earlier router with
+        an epoch of a new term, then admit. A router that was active before starts from a
+        fresh policy: what it knew may have changed under the other router."""
+        started = time.perf_counter()
+        if self._terms:
+            self._install(self._fresh_policy())
+        adopted = 0
+        if self.policy.sends_hints:
+            docs = await self._residency()
+            adopted = len(self._reconciled(docs, waiting=True).adopted)
+            self.epoch = epoch_above(reported_epoch(doc) for doc in docs.values())
+            self._fenced = False
+            await self.sync_hints(full=True)  # the replicas refuse every older epoch now
+            if self._fenced:  # a router with a higher term took over meanwhile
+                return
+        self.active = True
+        self._terms += 1
+        took = time.perf_counter() - started
+        self.metrics.takeovers.inc()
+        self.metrics.takeover_seconds.observe(took)
+        self.metrics.active.set(1)
+        quiet = not self.config.standby and self._terms == 1  # a lone router's start
+        log.log(
+            logging.INFO if quiet else logging.WARNING,
+            "active: took over at epoch %d in %.3f s (%d programs adopted from the replicas)",
+            self.epoch,
+            took,
+            adopted,
+        )
+
+    def step_down(self, url: str, answer: Any) -> None:
+        """A replica refused our batch: another router took over. Push nothing more, and
+        answer the held requests (they retry through the proxy, to the active router)."""
+        self._fenced = True
+        if not self.active:
+            return
+        self.active = False
+        self.metrics.active.set(0)
+        self.metrics.step_downs.inc()
+        log.warning(
+            "standby: replica %s refused epoch %d (it applied %d): another router took over",
+            url,
+            self.epoch,
+            reported_epoch(answer),
+        )
+        self.gate.wake_all()
+
+    def _install(self, policy: Policy) -> None:
+        self.policy = policy
+        self._next_wakeup = getattr(policy, "next_wakeup", None)  # predictive only
+        # agent runtime layer (CacheSage): events in, actions out; None for other policies
+        self._observe = getattr(policy, "observe", None)
+        self._actions = getattr(policy, "runtime_actions", None)
+
+    def _fresh_policy(self) -> Policy:
+        """An empty policy over the same replicas (capacity, health); the old policy's
+        pending per-program state goes with it."""
+        old, now = self.policy, self.clock()
+        fresh = make_policy(self.config.policy, self.config.policy_config())
+        for url, capacity in old.tiers.capacity.items():
+            fresh.add_replica(url, capacity)
+            if not old.tiers.healthy[url]:
+                fresh.set_healthy(url, False, now)
+        for pending in (self._early, self._ack_round, self._scores, self._agents):
+            pending.clear()
+        self._fresh_scores = set()
+        return fresh
 
     # hints ---------------------------------------------------------------------------
     async def _hint_loop(self) -> None:
@@ -467,6 +595,9 @@ class Router:
             full = self.clock() >= next_full
             if full:
                 next_full = self.clock() + self.config.hint_sync_s
+            if not self.active:  # a standby steers nothing
+                self._hints_dirty.clear()
+                continue
             try:
                 await self.sync_hints(full=full)
             except Exception:
@@ -485,10 +616,14 @@ class Router:
         """Bounded by `hint_ack_timeout_s`: a slow engine delays the hint, never the
         request, for longer."""
         started = self.clock()
+        await self._round_done(needed)
+        self.metrics.hint_ack_wait.observe(self.clock() - started)
+
+    async def _round_done(self, needed: int) -> None:
+        """Until hint round `needed` was answered, at most `hint_ack_timeout_s`."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.hint_ack_timeout_s), self._rounds:
                 await self._rounds.wait_for(lambda: self._rounds_done >= needed)
-        self.metrics.hint_ack_wait.observe(self.clock() - started)
 
     async def sync_hints(self, full: bool) -> None:
         self._rounds_started += 1
@@ -506,8 +641,7 @@ class Router:
         if full:
             self.policy.hint_updates()  # the full batch supersedes pending deltas
         extras = self._score_extras(full)
-        # Epochs start from the wall clock, so a restarted router is never taken as stale.
-        self.epoch = max(self.epoch + 1, int(time.time() * 1000))
+        self.epoch += 1
         jobs = [
             self._push(self.replicas[url], batches.get(url, {}), full, extras.get(url))
             for url in batches.keys() | extras.keys()
@@ -534,7 +668,7 @@ class Router:
         if not replica.hints_supported and not full:
             return
         try:
-            await replica.push_hints(self.epoch, hints, full, extra)
+            answer = await replica.push_hints(self.epoch, hints, full, extra)
         except HintsUnsupported:
             if replica.hints_supported:
                 log.warning("replica %s has no /mori/hints: serving without hints", replica.url)
@@ -547,4 +681,8 @@ class Router:
             self.metrics.hint_pushes.labels(replica.url, "error").inc()
             return
         replica.hints_supported = True
+        if refused(answer):
+            self.metrics.hint_pushes.labels(replica.url, "stale").inc()
+            self.step_down(replica.url, answer)
+            return
         self.metrics.hint_pushes.labels(replica.url, "ok").inc()

@@ -12,11 +12,13 @@ consistent: a gated request is `cancel`led and a forwarded one gets its `on_resp
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 
 from router.engines.replicas import Replica
 from router.owner.controller import Router
 from router.owner.gate import GateTimeout, ProgramEnded
+from router.policy.door import ERROR_CODE_HEADER, START_DEFERRED
 from router.protocol.link import Outcome, Ticket
 from router.protocol.segments import as_policy
 from router.wire.errors import ApiError
@@ -37,6 +39,35 @@ def unreachable(retry_s: float) -> ApiError:
     )
 
 
+def deferred(retry_s: float) -> ApiError:
+    """A start the door cannot let in before the gate timeout: come back then (its place
+    at the door is kept). `retry-after-ms` too: the SDKs read it first, and a router run
+    faster than real time answers in fractions of a second."""
+    return ApiError(
+        429,
+        f"the replicas are full with programs in flight; this program's first request "
+        f"cannot start within the gate timeout. Retry in {retry_s:.0f} s: its place in the "
+        f"start queue is kept",
+        code=START_DEFERRED,
+        headers={
+            "retry-after": str(max(1, math.ceil(retry_s))),
+            "retry-after-ms": str(max(1, round(retry_s * 1000))),
+            ERROR_CODE_HEADER: START_DEFERRED,
+        },
+    )
+
+
+def standing_by() -> ApiError:
+    """This router stepped down (another one took over): the client retries through the
+    proxy, which sends it to the active router."""
+    return ApiError(
+        503,
+        "this router is standing by: another router steers the replicas now; retry",
+        code="router_standby",
+        headers={"retry-after": "1"},
+    )
+
+
 class Exchange:
     """The owner's side of one request: returns the error to answer, or None."""
 
@@ -47,11 +78,14 @@ class Exchange:
         self.status = "ok"
         self.replica: Replica | None = None
         self.failed_on: list[Replica] = []  # replicas an attempt of this request failed on
+        self.first_asked: float | None = None  # a start: its program's first attempt
 
     async def run(self) -> ApiError | None:
         r, pid = self.router, self.ticket.program_id
+        self.ticket = r.identify(self.ticket)
         r.in_flight += 1
         try:
+            await r.ensure_active()
             deadline = self.ticket.arrival + r.config.gate_timeout_s
             if not r.gate.enter(pid):
                 await r.gate.wait_turn(pid, deadline)
@@ -75,7 +109,7 @@ class Exchange:
             message = "the program was ended while this request waited for a GPU"
             return ApiError(409, message, code="program_ended")
         except ApiError as e:
-            self.status = "error"
+            self.status = "deferred" if e.code == START_DEFERRED else "error"
             return e
         except asyncio.CancelledError:
             self.status = "client_disconnect"
@@ -101,12 +135,15 @@ class Exchange:
         r.observe_request(self.ticket)
         segments = as_policy(self.ticket.segments)
         for _ in range(r.config.max_retries + 1):
-            policy.on_prompt(pid, segments, self.ticket.round)
+            if not r.active:
+                raise standing_by()
+            policy.on_prompt(pid, segments, self.ticket.round, self.ticket.hints)
             try:
                 moves = policy.on_request(pid, r.clock(), tokens)
             except ValueError as e:  # a second request in flight despite the turn lock
                 raise ApiError(409, str(e), code="program_busy") from None
             r.apply(moves)
+            self.first_asked = policy.first_asked_s(pid)
             url = policy.route(pid)  # placed at once (most requests): nothing to wait for
             if url is None:
                 url = await self._gated(deadline)
@@ -157,9 +194,15 @@ class Exchange:
         held_from = r.clock()
 
         def route() -> str | None:
+            if not r.active:  # stepped down while it waited
+                raise standing_by()
             url = r.policy.route(pid)
             if url is None and not r.reachable():  # nothing will place it: say so now
                 raise unreachable(r.config.health_interval_s)
+            retry_s = r.policy.refusal(pid) if url is None else None
+            if retry_s is not None:  # a start the door will not let in before the timeout
+                r.metrics.starts_deferred.inc()
+                raise deferred(retry_s)
             return url
 
         try:
@@ -186,7 +229,12 @@ class Exchange:
         if outcome.suspect is not None:
             r.spawn(r.confirm(replica, outcome.suspect, "failed"))
         if outcome.ttft is not None:
-            r.metrics.observe(r.metrics.ttft, outcome.ttft - self.ticket.arrival, replica.url)
+            ttft = outcome.ttft - self.ticket.arrival
+            r.metrics.observe(r.metrics.ttft, ttft, replica.url)
+            start = self.first_asked is not None
+            r.metrics.observe(r.metrics.step_ttft, ttft, "start" if start else "inflight")
+            if start:
+                r.metrics.observe(r.metrics.start_wait, outcome.ttft - self.first_asked)
         if usage.prompt_tokens is not None:
             r.metrics.count(r.metrics.prompt_tokens, replica.url, amount=usage.prompt_tokens)
             r.learn_tokens(self.ticket.program_id, self.ticket.prompt_chars, usage.prompt_tokens)

@@ -21,8 +21,10 @@ from prometheus_client import (
 from router.policy.base import Policy
 from router.policy.types import Move, Placement, Tier
 from router.protocol.accounting import Usage
+from router.protocol.identity import SESSION_HEADERS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+START_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)  # a start may wait long
 FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
 # connect: a connection to it failed; failed: a request failed at the transport level and
 # the health probe failed; failures: `outlier_failures` requests in a row failed that way;
@@ -101,6 +103,26 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.step_ttft = Histogram(
+            "mori_step_ttft_seconds",
+            "TTFT of the attempt served, by kind of step: 'inflight' (a program that has run a "
+            "step: the wait bound's), 'start' (its first step)",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.start_wait = Histogram(
+            "mori_start_wait_seconds",
+            "a program's first attempt to its first token (the door's wait and refusals in)",
+            buckets=START_BUCKETS,
+            registry=r,
+        )
+        self.starts_deferred = Counter(
+            "mori_starts_deferred",
+            "starts answered 429 + Retry-After at the door (not expected in within the gate "
+            "timeout)",
+            registry=r,
+        )
         self.latency = Histogram(
             "mori_request_latency_seconds",
             "arrival to last byte",
@@ -123,6 +145,14 @@ class RouterMetrics:
             ["replica", "source"],
             registry=r,
         )
+        self.identity_ignored = Counter(
+            "mori_identity_ignored",
+            "session headers ignored as unusable identities (not a label), by header",
+            ["header"],
+            registry=r,
+        )
+        for _, header in SESSION_HEADERS:  # every series from the start, at 0
+            self.identity_ignored.labels(header)
         self.hint_pushes = Counter(
             "mori_hint_pushes", "hint batches pushed", ["replica", "result"], registry=r
         )
@@ -147,6 +177,25 @@ class RouterMetrics:
             "mori_replica_ejections",
             "replicas taken out of service, by cause",
             ["replica", "reason"],
+            registry=r,
+        )
+        self.active = Gauge(
+            "mori_router_active",
+            "1 while this router steers the replicas, 0 while it stands by",
+            registry=r,
+        )
+        self.takeovers = Counter(
+            "mori_takeovers", "times this router became the active one", registry=r
+        )
+        self.takeover_seconds = Histogram(
+            "mori_takeover_seconds",
+            "residency read, fencing epoch and full hint sync of one takeover",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_downs = Counter(
+            "mori_step_downs",
+            "times a replica refused this router's hint batch (another router took over)",
             registry=r,
         )
         self.tick_seconds = Histogram(
@@ -198,12 +247,14 @@ class RouterMetrics:
     def add_replica(self, replica: str) -> None:
         """Create every per-replica series at zero, so dashboards and alerts see them at once."""
         self.replica_healthy.labels(replica).set(1)
-        for result in ("ok", "error", "unsupported"):
+        for result in ("ok", "error", "unsupported", "stale"):
             self.hint_pushes.labels(replica, result)
         self.hint_unsupported.labels(replica)
         for reason in EJECTION_REASONS:
             self.ejections.labels(replica, reason)
-        for outcome in ("ok", "error", "timeout", "ended", "client_disconnect", "retried"):
+        for outcome in (
+            "ok", "error", "timeout", "ended", "client_disconnect", "retried", "deferred"
+        ):  # fmt: skip
             self.requests.labels(replica, outcome)
         for family in (self.output_tokens, self.prompt_tokens, self.ttft, self.latency):
             family.labels(replica)

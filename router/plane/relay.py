@@ -14,9 +14,12 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from router.engines.outliers import Attempt
+from router.engines.outliers import Attempt, Attempts
+from router.engines.replicas import Replica
 from router.protocol.accounting import (
     AnthropicStream,
     OpenAIStream,
@@ -25,15 +28,20 @@ from router.protocol.accounting import (
     openai_body,
     without_sglext,
 )
-from router.protocol.intake import Prepared, request_hints
+from router.protocol.auth import Auth
+from router.protocol.intake import Intake, Prepared, request_hints
 from router.protocol.link import ERROR, Outcome, Ticket
 from router.protocol.sanitize import forwarded_headers
 from router.wire.errors import ApiError, anthropic_error_body, error_body
 from router.wire.server import BodyTooLarge, Request
-from router.wire.upstream import Broken, ConnectFailed, Connection, InvalidRequest, Response
-
-if TYPE_CHECKING:
-    from router.plane.worker import Worker
+from router.wire.upstream import (
+    Broken,
+    ConnectFailed,
+    Connection,
+    InvalidRequest,
+    Response,
+    Upstream,
+)
 
 log = logging.getLogger("mori.relay")
 
@@ -80,11 +88,42 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
         ) from None
 
 
+class OwnerAsk(Protocol):
+    """What a relay asks the owner about its request (the worker's end of the link)."""
+
+    def open(self, ticket: Ticket) -> int: ...
+
+    async def next(self, seq: int) -> tuple[int, Any]: ...
+
+    def report(self, seq: int, outcome: Outcome, retry: bool = False) -> None: ...
+
+    def cancel(self, seq: int) -> None: ...
+
+    def forget(self, seq: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RelayKit:
+    """What a relay works with, handed over by its worker once: a relay reads these and
+    never the worker itself."""
+
+    link: OwnerAsk
+    auth: Auth
+    intake: Intake
+    attempts: Attempts
+    upstream: Upstream
+    replicas: Mapping[str, Replica]
+    spawn: Callable[[Coroutine[Any, Any, object]], None]  # a job that outlives its request
+    max_body_bytes: int
+    body_timeout_s: float
+    anchors: bool  # tickets carry request anchors (the owner's policy warms them)
+
+
 class Relay:
     """The worker's side of one inference request."""
 
-    def __init__(self, worker: Worker, request: Request, kind: str) -> None:
-        self.worker = worker
+    def __init__(self, kit: RelayKit, request: Request, kind: str) -> None:
+        self.kit = kit
         self.request = request
         self.conn = request.conn
         self.kind = kind
@@ -97,13 +136,13 @@ class Relay:
         self.answered = False  # the current attempt's stream reached its end marker
 
     async def run(self) -> None:
-        w, config = self.worker, self.worker.config
+        w = self.kit
         try:
             headers = text_headers(self.request)
             key = w.auth.client(headers)
-            raw = body_now(self.request, config.max_body_bytes)
+            raw = body_now(self.request, w.max_body_bytes)
             if raw is None:
-                raw = await read_body(self.request, config.max_body_bytes, config.body_timeout_s)
+                raw = await read_body(self.request, w.max_body_bytes, w.body_timeout_s)
             hints = request_hints(headers, key)
             prepared = w.intake.inline(self.kind, raw, hints)
             if prepared is None:
@@ -120,6 +159,8 @@ class Relay:
                 prepared.app,
                 prepared.segments,
                 prepared.round,
+                prepared.identity,
+                prepared.hints,
             )
             await self._exchange(ticket, prepared, [JSON, *forward])
         except ApiError as e:
@@ -128,7 +169,7 @@ class Relay:
     async def _exchange(
         self, ticket: Ticket, prepared: Prepared, headers: list[tuple[bytes, bytes]]
     ) -> None:
-        link = self.worker.link
+        link = self.kit.link
         seq = link.open(ticket)
         attempting = False
         try:
@@ -159,7 +200,7 @@ class Relay:
     ) -> Outcome:
         """Forward to `url` and relay; the Outcome says how it went (also when the client
         leaves: reported, then the cancellation goes on)."""
-        w = self.worker
+        w = self.kit
         self.replica = url
         outcome = self.outcome = Outcome()
         self.answered = False
@@ -215,7 +256,7 @@ class Relay:
             _retry(outcome, cut or f"{e} (while reading the answer)", certain=cut is not None)
             return
         outcome.usage = (anthropic_body if self.anthropic else openai_body)(content)
-        if not self.anthropic and not prepared.client_wants_details:
+        if not prepared.client_wants_details:
             content = without_sglext(content)
         outcome.ttft = time.monotonic()
         outcome.verdict = True
@@ -226,11 +267,11 @@ class Relay:
         self, response: Response, prepared: Prepared, attempt: Attempt, outcome: Outcome
     ) -> None:
         parser = (
-            AnthropicStream(prepared.client_wants_usage)
+            AnthropicStream(prepared.client_wants_details)
             if self.anthropic
             else OpenAIStream(prepared.client_wants_usage, prepared.client_wants_details)
         )
-        conn, clock = self.conn, self.worker.attempts.clock
+        conn, clock = self.conn, self.kit.attempts.clock
         last = b""  # the answer's last bytes: they go out with the end marker, in one write
         try:
             async for chunk in response:

@@ -25,7 +25,7 @@ from typing import Any
 from router.config import RouterConfig
 from router.engines.outliers import Attempts
 from router.engines.replicas import make_replicas, make_upstream
-from router.plane.relay import JSON, KIND_OF_PATH, Relay, read_body
+from router.plane.relay import JSON, KIND_OF_PATH, Relay, RelayKit, read_body
 from router.protocol.auth import Auth
 from router.protocol.intake import Intake
 from router.protocol.link import (
@@ -123,7 +123,6 @@ class Worker:
     ) -> None:
         self.config = config
         self.admin_url = admin_url
-        self.anchors = anchors  # tickets carry request anchors (the owner's policy warms them)
         self.link = link
         self.upstream = upstream
         self.replicas = make_replicas(config, self.upstream)
@@ -132,6 +131,18 @@ class Worker:
         self.attempts = Attempts(time.monotonic, config.stall_s)
         self.drained: set[str] = set()
         self._background: set[asyncio.Task] = set()
+        self.kit = RelayKit(  # what each request's relay reads
+            link=link,
+            auth=self.auth,
+            intake=self.intake,
+            attempts=self.attempts,
+            upstream=upstream,
+            replicas=self.replicas,
+            spawn=self.spawn,
+            max_body_bytes=config.max_body_bytes,
+            body_timeout_s=config.body_timeout_s,
+            anchors=anchors,  # tickets carry request anchors (the owner's policy warms them)
+        )
 
     def handle(self, request: Request) -> Awaitable[None]:
         """The request's handler coroutine, returned rather than awaited here: every
@@ -141,7 +152,7 @@ class Worker:
         if kind is None:
             return self._to_owner(request)
         if request.method == b"POST":
-            return Relay(self, request, kind).run()
+            return Relay(self.kit, request, kind).run()
         return self._not_allowed(request, kind)
 
     async def _not_allowed(self, request: Request, kind: str) -> None:

@@ -4,7 +4,7 @@ A policy is pure: it is driven by events carrying `now` (an injected clock) and
 answers with `Move`s; it never sleeps, awaits or does I/O. The live router, the
 simulator and the tests all drive it the same way:
 
-    policy.on_prompt(pid, segments, round_id)             # what the prompt holds (optional)
+    policy.on_prompt(pid, segments, round_id, hints)      # what the request holds (optional)
     moves = policy.on_request(pid, now, prompt_tokens)   # request arrives
     replica = policy.route(pid)                           # None: the gate holds it
     ...                                                   # forward when routed
@@ -31,7 +31,9 @@ from router.policy.program import Program
 from router.policy.rounds import Rounds
 from router.policy.tiers import Tiers
 from router.policy.types import (
+    NO_HINTS,
     WAITING,
+    AgentHints,
     EngineMode,
     Hint,
     Move,
@@ -77,6 +79,20 @@ class PolicyConfig:
     # band where GPU programs in tool calls expected to stay away a step would absorb the
     # overflow (docs/policy.md "The growth band gives way"; 0: the band always holds)
     band_waiver_steps: int = 8
+    # mori: the wait bound of a program in flight (served once): its held step goes ahead of
+    # everything once it has waited half of this, taking room from programs in tool calls
+    # or holding its replica's room for it; starts wait at the door meanwhile
+    # (router.policy.door, docs/policy.md "Overload"; 0: off, and starts are not gated)
+    max_step_wait_s: float = 120.0
+    # mori: the door lets a start in while the programs in flight on its replica keep less
+    # than this share of its GPU room busy (context x share of time reasoning, summed)
+    door_load: float = 1.0
+    # mori: the longest a start is held at the door; one expected to wait longer is told at
+    # once to come back when its turn is expected (429 + Retry-After), keeping its place
+    start_hold_s: float = 30.0
+    # the shell's gate timeout: a held request is answered 503 after this long; the door
+    # refuses a start it does not expect to let in before then, at once
+    gate_timeout_s: float = 300.0
     # mori+space (Tokencake §5): critical agent types and their reserved GPU room
     critical_ratio: float = 0.3  # share of the live agent types that are critical
     # static priority (depth x out-degree) weight; the dynamic term of a request waiting
@@ -119,7 +135,8 @@ class Policy(ABC):
         self.prices: dict[str, ReplicaPrices] = {}  # replica -> measured move costs
         self._leases: list[tuple[float, str]] = []  # (last activity, program): lease expiry
         self.rounds = Rounds()  # All-Gather rounds and the segments their prompts share
-        self._prompts: dict[str, tuple[tuple[Segment, ...], str | None]] = {}  # next request's
+        # the next request's segments, round and agent hints (on_prompt)
+        self._prompts: dict[str, tuple[tuple[Segment, ...], str | None, AgentHints]] = {}
 
     @property
     def engine_mode(self) -> EngineMode:
@@ -180,13 +197,18 @@ class Policy(ABC):
 
     # program events ---------------------------------------------------------------
     def on_prompt(
-        self, program_id: str, segments: Sequence[Segment], round_id: str | None = None
+        self,
+        program_id: str,
+        segments: Sequence[Segment],
+        round_id: str | None = None,
+        hints: AgentHints = NO_HINTS,
     ) -> None:
         """What the next request of `program_id` holds (the shell calls it just before
-        `on_request`): its prompt's segments, one per message, and its round if the
-        application names one. `on_request` then counts the segments the engine shares
-        once per replica (`Tiers.share`) and files the program in its round (`Rounds`)."""
-        self._prompts[program_id] = (tuple(segments), round_id)
+        `on_request`): its prompt's segments, one per message, its round if the
+        application names one, and its agent hints. `on_request` then counts the segments
+        the engine shares once per replica (`Tiers.share`), files the program in its round
+        (`Rounds`) and gives it the request's priority and expected output length."""
+        self._prompts[program_id] = (tuple(segments), round_id, hints)
 
     def on_request(
         self, program_id: str, now: float, context_tokens: int | None = None
@@ -205,12 +227,26 @@ class Policy(ABC):
         if context_tokens is not None:
             self.tiers.resize(p, int(context_tokens))
         prompt = self._prompts.pop(program_id, None)
+        hints = NO_HINTS
         if prompt is not None:
             self.tiers.share(p, prompt[0])
             self.rounds.join(program_id, prompt[0], prompt[1], now)
+            hints = prompt[2]
+        p.priority, p.osl = hints.priority, hints.osl  # a request's hints are its own
         self._held.pop(program_id, None)  # re-queue at the back: arrival order is FIFO order
         self._held[program_id] = p
         return self._admit(p, now)
+
+    def first_asked_s(self, program_id: str) -> float | None:
+        """When a program that has not run a step yet first asked to (a start's wait counts
+        from there, across the attempts it was told to repeat); None once it has run one."""
+        p = self.programs.get(program_id)
+        return p.created_s if p is not None and p.steps == 0 else None
+
+    def refusal(self, program_id: str) -> float | None:
+        """Seconds after which a held request should come back, if the policy refuses it
+        now (the shell cancels it and answers 429 with Retry-After); None: it waits."""
+        return None
 
     def route(self, program_id: str) -> str | None:
         """The replica to forward to, or None while the gate must hold the request."""
@@ -351,6 +387,8 @@ class Policy(ABC):
             "recent_cycles": [{"reasoning_s": r, "acting_s": a} for r, a in p.cycles],
             "last_tool": tool,
             "agent": agent,
+            "priority": p.priority,  # its current (or last) request's agent hints
+            "osl": p.osl,
             **self._describe_round(program_id),
         }
 
@@ -391,6 +429,11 @@ class Policy(ABC):
         return dst if self.tiers.fits(dst, p.context_tokens) else WAITING
 
     def _held_programs(self) -> list[Program]:
+        """The held requests the policy's passes rank (a hook: `mori` leaves the starts
+        waiting at its door to the door); every held request by default."""
+        return self._every_held()
+
+    def _every_held(self) -> list[Program]:
         """Programs whose request waits at the gate, oldest arrival first.
 
         The index is cleaned lazily (released, cancelled and ended entries drop out

@@ -38,17 +38,24 @@ checks, so MORI's own rebalance keeps its `tick_s` cadence.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from router.policy.base import PolicyConfig
+from router.policy.door import Door
 from router.policy.mori_paper import Idleness
-from router.policy.priced import PricedPolicy, ToolCall
+from router.policy.priced import FRESH, PricedPolicy, ToolCall
 from router.policy.program import Program
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
 _EPS = 1e-9
 DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
+URGENT_SHARE = 0.5  # a held step in flight goes first after this share of max_step_wait_s
+GROWTH_PRIOR = 4.0  # a program's life-mean context per token of its first prompt, before ...
+LIFE_SAMPLES = 5  # ... this many programs ended and their own mean is known
+LIFE_ALPHA = 0.05  # weight of the newest ended program in the mean context of a life
 
 
 class MoriPolicy(PricedPolicy):
@@ -65,6 +72,219 @@ class MoriPolicy(PricedPolicy):
         # What the predictions did, for reports: offloads, predicted promotions, and how
         # offloaded programs came back (already on GPU, or before their promotion).
         self.outcomes: Counter[str] = Counter()
+        self.door = Door()  # starts waiting to be let in (router.policy.door)
+        # held requests of programs in flight (served once), oldest arrival first
+        self._inflight_held: OrderedDict[str, Program] = OrderedDict()
+        self._held_for: dict[str, str] = {}  # replica -> the urgent program it keeps room for
+        self._first_context: dict[str, int] = {}  # program -> its first prompt (tokens)
+        self._context_sum: dict[str, int] = {}  # program -> its contexts after each step
+        self._life_context = 0.0  # mean context over a program's steps, programs that ended
+        self._lives = 0  # programs that ended after a step
+        self._load: dict[str, float] | None = None  # replica -> busy tokens (`_loads`)
+        self._load_of: dict[str, tuple[str, float]] = {}  # program -> what it adds there
+
+    # overload: the wait bound and the door ------------------------------------------
+    @property
+    def bounded(self) -> bool:
+        """Whether steps in flight have a wait bound (and starts wait at the door)."""
+        return self.config.max_step_wait_s > 0
+
+    def refusal(self, program_id: str) -> float | None:
+        return self.door.refused.get(program_id)
+
+    def _admit(self, p: Program, now: float) -> list[Move]:
+        """A start waits at the door; a step in flight joins the held in arrival order."""
+        if not self.bounded:
+            return super()._admit(p, now)
+        if p.steps == 0 and p.last_replica is None:
+            self._first_context.setdefault(p.program_id, p.context_tokens)
+            self.door.enter(p)
+            moves = self._promote(now)
+            self.door.update_refusals(now, self.config.gate_timeout_s, self.config.start_hold_s)
+            return [
+                replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
+                for m in moves
+            ]
+        self._inflight_held.pop(p.program_id, None)
+        self._inflight_held[p.program_id] = p
+        return super()._admit(p, now)
+
+    def _held_programs(self) -> list[Program]:
+        """MORI's passes see the steps in flight; starts are the door's (`_let_in`)."""
+        held = super()._held_programs()
+        return [p for p in held if p.program_id not in self.door] if self.door else held
+
+    def _waiting_in_flight(self) -> Iterator[Program]:
+        """Held requests of programs in flight, oldest first (the index is cleaned as it is
+        read: released, cancelled and ended entries drop out at the front)."""
+        index = self._inflight_held
+        while index:
+            p = next(iter(index.values()))
+            if p.pending and p.program_id in self.programs:
+                break
+            index.popitem(last=False)
+        return (p for p in index.values() if p.pending)
+
+    def _urgent(self, now: float) -> list[Program]:
+        """Held steps in flight that have waited `URGENT_SHARE` of the bound, oldest first."""
+        due = now - URGENT_SHARE * self.config.max_step_wait_s
+        out = []
+        for p in self._waiting_in_flight():
+            if p.last_active_s > due:
+                break
+            out.append(p)
+        return out
+
+    def _promote(self, now: float, displace: bool = False) -> list[Move]:
+        """Urgent steps in flight first, then MORI's passes, then the door."""
+        if not self.bounded:
+            return super()._promote(now, displace)
+        moves = self._serve_urgent(now)
+        moves += super()._promote(now, displace)
+        return moves + self._let_in(now)
+
+    def _serve_urgent(self, now: float) -> list[Move]:
+        """Each urgent step goes onto its own replica now: into free room (the growth
+        band does not hold against it), else in place of programs in tool calls, farthest
+        expected return first, whatever their idleness (priced as any move: they keep
+        their host copy where it survives). Where programs in tool calls do not hold
+        enough, the replica's room is kept for it (`leave_free`) until running steps end:
+        nothing else is placed there meanwhile, so its wait is bounded by a step."""
+        self._held_for.clear()
+        moves: list[Move] = []
+        healthy = set(self.tiers.replicas())
+        for p in self._urgent(now):
+            home = p.last_replica
+            if home not in healthy or home in self._held_for:
+                continue
+            gpu = Placement(Tier.GPU, home)
+            missing = self.tiers.need(p, gpu) - self.tiers.free(gpu)
+            victims = self._urgent_victims(home, missing, now) if missing > 0 else []
+            if missing > 0 and not victims:
+                self._held_for[home] = p.program_id  # type: ignore[index]
+                continue
+            self.outcomes["urgent_placed"] += 1
+            moves += self._swap_in(p, home, victims, {home: 0}, now)  # type: ignore[arg-type]
+        return moves
+
+    def _urgent_victims(self, replica: str, needed: int, now: float) -> list[Program]:
+        """Programs in tool calls on GPU(replica) whose leaving frees `needed`, farthest
+        expected return first (predicted-promoted ones last), or [] if they cannot."""
+        acting = [
+            q
+            for q in self.tiers.members(Placement(Tier.GPU, replica))
+            if q.status is Status.ACTING and q.demote_after_step is None
+        ]
+        acting.sort(
+            key=lambda q: (q.program_id in self.protected_until, -self.expected_idle_s(q, now))
+        )
+        return self.tiers.enough(acting, needed)
+
+    def _let_in(self, now: float) -> list[Move]:
+        """Starts at the door, in the order they first asked (a client's `priority` first),
+        onto replicas where no step in
+        flight waits and the programs in flight leave load to spare (`_load`): into free
+        room, where each program would have the most (as any new program), else in place
+        of programs in tool calls whose move pays."""
+        starts = sorted(self.door.held(), key=lambda p: -p.priority)  # stable: door order
+        if not starts:
+            return []
+        closed = {p.last_replica for p in self._waiting_in_flight()}
+        replicas = self.tiers.replicas()
+        loads = self._loads(now)
+        if loads.keys() != set(replicas):  # a replica came or went since the sum
+            self._load = None
+            loads = self._loads(now)
+        spare = {
+            r: self.config.door_load * self._room(r) - loads[r] for r in replicas if r not in closed
+        }
+        free = {
+            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now)
+            for r in spare
+            if spare[r] > 0
+        }
+        moves: list[Move] = []
+        for p in starts:
+            if not free:
+                break
+            placed = self._place_start(p, free, now)
+            if placed:
+                r: str = placed[-1].dst.replica  # type: ignore[assignment]
+                spare[r] -= self._count_load(p, r, now)
+                if spare[r] <= 0:
+                    del free[r]
+                moves += placed
+        return moves
+
+    def _loads(self, now: float) -> dict[str, float]:
+        """The GPU room the programs in flight keep busy on each replica, on average, in
+        tokens: each one's KV over its life (`_footprint`) times the share of its time it
+        spends reasoning (1 - idleness; a program without history counts whole). While it
+        stays below the room there is, returning steps find room; past it they queue, and
+        the queue is what the wait bound has to break by swapping. Summed over every
+        program at a full tick (O(programs)); between ticks a program's share is counted
+        again at its step's end, a start let in adds its own and an ended program takes
+        its own away, so an event costs O(1)."""
+        if self._load is None:
+            self._load = dict.fromkeys(self.tiers.replicas(), 0.0)
+            self._load_of = {}
+            for p in self.programs.values():
+                if p.last_replica in self._load:  # None at the door
+                    self._count_load(p, p.last_replica, now)  # type: ignore[arg-type]
+        return self._load
+
+    def _count_load(self, p: Program, replica: str, now: float) -> float:
+        """Count `p`'s busy share on `replica` in place of what it added before (at a step's
+        end its idleness is its cycles' without the call just begun: its usual share)."""
+        self._uncount_load(p.program_id)
+        share = self._footprint(p) * (1.0 - p.idleness(now))
+        self._load_of[p.program_id] = (replica, share)
+        if self._load is not None and replica in self._load:
+            self._load[replica] += share
+        return share
+
+    def _uncount_load(self, program_id: str) -> None:
+        counted = self._load_of.pop(program_id, None)
+        if counted is not None and self._load is not None and counted[0] in self._load:
+            self._load[counted[0]] -= counted[1]
+
+    def _room(self, replica: str) -> int:
+        return max(1, self.tiers.budget(Placement(Tier.GPU, replica)))
+
+    def _footprint(self, p: Program) -> float:
+        """The KV `p` holds over its life: an agent's context grows every step (3-4x its
+        first prompt over a coding task), so a program counts at least what programs that
+        ended held on average (`GROWTH_PRIOR` x its prompt until `LIFE_SAMPLES` ended)."""
+        if self._lives >= LIFE_SAMPLES:
+            return max(p.context_tokens, self._life_context)
+        first = self._first_context.get(p.program_id, p.context_tokens)
+        return max(p.context_tokens, GROWTH_PRIOR * first)
+
+    def _observe_life(self, p: Program) -> None:
+        """`p` ended: the mean context of its steps is one more sample of a life's."""
+        total = self._context_sum.pop(p.program_id, 0)
+        self._first_context.pop(p.program_id, None)
+        if p.steps <= 0 or total <= 0:
+            return
+        mean = total / p.steps
+        self._lives += 1
+        weight = max(LIFE_ALPHA, 1.0 / self._lives)  # a plain mean over the first ones
+        self._life_context += weight * (mean - self._life_context)
+
+    def _place_start(self, p: Program, free: dict[str, int], now: float) -> list[Move]:
+        order = self._spread_order(free)
+        for r in order:
+            gpu = Placement(Tier.GPU, r)
+            need = self.tiers.need(p, gpu)
+            if need <= free[r]:
+                free[r] -= need
+                return [self._move(p, gpu, MoveReason.PROMOTE_NEW, now)]
+        for r in order:
+            missing = self.tiers.need(p, Placement(Tier.GPU, r)) - free[r]
+            victims = self._victims.take(r, FRESH, missing, now)
+            if victims:
+                return self._swap_in(p, r, victims, free, now)
+        return []
 
     # cost model --------------------------------------------------------------------
     def load_s(self, p: Program) -> float:
@@ -109,12 +329,11 @@ class MoriPolicy(PricedPolicy):
         return self.step_s
 
     def _gated_demand(self, replica: str | None) -> list[Program]:
-        """Programs whose request waits at the gate and could run on `replica`."""
+        """Programs whose request waits at the gate and could run on `replica` (steps in
+        flight, and starts at the door)."""
         cpu = Placement(Tier.CPU, replica)
         return [
-            q
-            for q in self._held_programs()
-            if q.placement == cpu or q.placement.tier is Tier.WAITING
+            q for q in self._every_held() if q.placement == cpu or q.placement.tier is Tier.WAITING
         ]
 
     def _ranking(self, now: float) -> Idleness:
@@ -159,11 +378,12 @@ class MoriPolicy(PricedPolicy):
         if call is None or p is None or call.ended_s is not None:
             return []
         self.observe_call(program_id, now)
-        cpu_moves = []
+        if p.placement.tier is not Tier.CPU:  # on GPU already, or its KV is gone (WAITING)
+            return []
         gpu = Placement(Tier.GPU, p.placement.replica)
-        if p.placement.tier is Tier.CPU and self._room_for(p, gpu):
-            cpu_moves.append(self._move(p, gpu, MoveReason.PROMOTE_CPU, now))
-        return cpu_moves
+        if not self._room_for(p, gpu):
+            return []
+        return [self._move(p, gpu, MoveReason.PROMOTE_CPU, now)]
 
     def on_response(
         self, program_id: str, now: float, context_tokens: int | None = None
@@ -171,6 +391,9 @@ class MoriPolicy(PricedPolicy):
         moves = super().on_response(program_id, now, context_tokens)
         p = self.programs.get(program_id)
         if p is not None and p.status is Status.ACTING:
+            self._context_sum[program_id] = self._context_sum.get(program_id, 0) + p.context_tokens
+            if self._load is not None and p.last_replica is not None:
+                self._count_load(p, p.last_replica, now)
             a = self.config.ewma_alpha
             self.step_s = a * p.reasoning_s + (1 - a) * self.step_s
         return moves
@@ -187,6 +410,12 @@ class MoriPolicy(PricedPolicy):
 
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
         self.protected_until.pop(program_id, None)
+        self.door.forget(program_id)
+        self._inflight_held.pop(program_id, None)
+        p = self.programs.get(program_id)
+        if p is not None:
+            self._observe_life(p)
+        self._uncount_load(program_id)
         moves = super().end(program_id, now, reason)
         return moves + self._predictive_promotions(now) if moves else moves
 
@@ -199,7 +428,12 @@ class MoriPolicy(PricedPolicy):
         moves: list[Move] = []
         if now + _EPS >= self._next_rebalance_s:
             self._next_rebalance_s = now + self.config.tick_s
+            self._load = None  # summed afresh at the next door pass (`_loads`)
             moves += super().tick(now)
+            if self.bounded:
+                self.door.update_refusals(now, self.config.gate_timeout_s, self.config.start_hold_s)
+        elif self.bounded and self._urgent(now):
+            moves += self._promote(now)
         return moves + self._expire_protection(now) + self._predictive_promotions(now)
 
     def next_wakeup(self, now: float) -> float | None:
@@ -207,6 +441,10 @@ class MoriPolicy(PricedPolicy):
         shell calls `tick` then. Due promotions that found no room are retried when room
         frees (after a response or an end) and at later ticks, never in a busy loop."""
         times = list(self.protected_until.values())
+        if self.bounded:  # when the oldest held step in flight becomes urgent
+            oldest = next(self._waiting_in_flight(), None)
+            if oldest is not None:
+                times.append(oldest.last_active_s + URGENT_SHARE * self.config.max_step_wait_s)
         for pid in self.calls:
             p = self.programs.get(pid)
             if p is not None and p.placement.tier is Tier.CPU:
@@ -224,6 +462,7 @@ class MoriPolicy(PricedPolicy):
         view["predicted_tool_s"] = None if call is None else round(call.predicted_s, 3)
         ended = call is None or call.ended_s is not None
         view["predicted_tool_end_s"] = None if ended else round(call.predicted_end_s - now, 3)
+        view["start_queue_position"] = self.door.position(program_id)
         return view
 
     # growth band ----------------------------------------------------------------------
@@ -243,6 +482,8 @@ class MoriPolicy(PricedPolicy):
         at 50-80 programs; the generated corpora, which run 10-40 steps per replica, within
         0.3 %. Without the step limit those lost up to 2 %; without the idleness test the
         Claude sample gained about half as much."""
+        if replica in self._held_for:  # kept for an urgent step in flight
+            return self.tiers.budget(Placement(Tier.GPU, replica)) + 1
         reserve = self.promotion_reserve(replica)
         growth = self.growth_band(replica)
         if growth <= 0 or self.reasoning_on(replica) > self.config.band_waiver_steps:

@@ -57,7 +57,8 @@ def _memo_idleness(now: float) -> Idleness:
 
 
 class MoriPaperPolicy(Policy):
-    """Idleness-driven GPU/CPU/WAITING tiering (the product's default policy)."""
+    """Idleness-driven GPU/CPU/WAITING tiering as the paper states it (`mori-paper`, the
+    first step of the ablation; the default policy is `mori`, router.policy.mori)."""
 
     name = "mori-paper"
     default_aging_s = 0.0  # the paper has no aging; `aging_s` turns ours on
@@ -120,10 +121,15 @@ class MoriPaperPolicy(Policy):
         on_gpu = p.placement.tier is Tier.GPU and p.program_id in self.programs
         if on_gpu and p.status is Status.REASONING:
             replica: str = p.placement.replica  # type: ignore[assignment]
-            growth = self._growth.get(p.program_id, 0)
+            growth = self._step_growth(p)
             self._reserved[p.program_id] = (replica, growth)
             self._reserve[replica] = self._reserve.get(replica, 0) + growth
             self._reasoning[replica] = self._reasoning.get(replica, 0) + 1
+
+    def _step_growth(self, p: Program) -> int:
+        """The growth `p`'s running step reserves: the output length its request announced
+        (agent hint `osl`), else the growth of its last step."""
+        return p.osl if p.osl is not None else self._growth.get(p.program_id, 0)
 
     def _move(self, p: Program, dst: Placement, reason: MoveReason, now: float) -> Move:
         move = super()._move(p, dst, reason, now)
@@ -276,6 +282,8 @@ class MoriPaperPolicy(Policy):
             else:
                 new.append(p)
         self._order_classes((on_cpu, returning, new), idleness, now)
+        for group in (on_cpu, returning, new):  # the client's priority first (agent hints);
+            group.sort(key=_by_priority)  # stable: the policy's order among equals
         for p in on_cpu:
             if not self._place_cpu(p, free, now, moves) and displace:
                 r = p.placement.replica
@@ -467,6 +475,11 @@ class MoriPaperPolicy(Policy):
             moves.insert(-1, self._move(v, self._fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
         free[replica] -= self.tiers.used(gpu) - before
         return moves
+
+
+def _by_priority(p: Program) -> int:
+    """Sort key: the request's agent-hint priority, highest first."""
+    return -p.priority
 
 
 def _affine_first(p: Program, free: dict[str, int]) -> list[str]:

@@ -236,6 +236,15 @@ class DurationPredictor:
         dist = self._distribution(agent, tool)
         return None if dist is None else dist.survival(elapsed_s, more_s)
 
+    def residual(
+        self, agent: str | None, tool: str, elapsed_s: float, more_s: float
+    ) -> tuple[float, float | None]:
+        """(`remaining_s`, `stays_p`) of one call at once: one distribution look-up."""
+        dist = self._distribution(agent, tool)
+        if dist is None:
+            return self.history(agent, tool), None
+        return dist.residual(elapsed_s, more_s)
+
     def _distribution(self, agent: str | None, tool: str) -> DurationDistribution | None:
         """The most specific level's distribution with `MIN_DIST_SAMPLES` observations."""
         for level in self._levels(agent, tool):

@@ -149,7 +149,7 @@ class PricedPolicy(MoriPaperPolicy):
         cpu, gpu = Placement(Tier.CPU, replica), Placement(Tier.GPU, replica)
         return self.tiers.budget(cpu) - self.tiers.used(cpu) - self.tiers.used(gpu)
 
-    def keeps_host_copy(self, p: Program, replica: str) -> bool:
+    def keeps_host_copy(self, p: Program, replica: str, room: int | None = None) -> bool:
         """Whether `p` keeps a host copy of its KV on `replica`'s CPU tier.
 
         A program on that replica's GPU tier has its copy there already (write-through)
@@ -157,21 +157,24 @@ class PricedPolicy(MoriPaperPolicy):
         the copy unless the host is over budget. Demanding its size in free host room on
         top, as before, counted it twice: victims on a full host were priced as
         recomputes, went to WAITING (whose host copies go first) and recomputed 40 % of
-        their prompts on return (the README's demo cell, simulated)."""
-        room = self.host_room(replica)
+        their prompts on return (the README's demo cell, simulated). `room`: the replica's
+        `host_room`, when the caller has it."""
+        room = self.host_room(replica) if room is None else room
         if p.placement == Placement(Tier.GPU, replica):
             return room >= 0
         return p.context_tokens <= room
 
-    def victim_keeps_copy(self, q: Program, fresh: bool) -> bool:
+    def victim_keeps_copy(self, q: Program, fresh: bool, room: int | None = None) -> bool:
         """Whether ACTING `q`, moved off its GPU tier to make room for a request, keeps its
         host copy. A request whose KV is in that replica's host tier brings no new host
         blocks (`keeps_host_copy`); one whose KV is written to host anew (`fresh`) takes
-        about the room q frees, so q keeps its copy only if the host has that much free."""
+        about the room q frees, so q keeps its copy only if the host has that much free.
+        `room`: the replica's `host_room`, when the caller has it (a victim pool asks for
+        hundreds of programs of one replica)."""
         replica: str = q.placement.replica  # type: ignore[assignment]
         if fresh:
-            return q.context_tokens <= self.host_room(replica)
-        return self.keeps_host_copy(q, replica)
+            return q.context_tokens <= (self.host_room(replica) if room is None else room)
+        return self.keeps_host_copy(q, replica, room)
 
     def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
         if dst.tier is Tier.CPU and not self.keeps_host_copy(p, dst.replica):  # type: ignore[arg-type]
@@ -270,15 +273,17 @@ class PricedPolicy(MoriPaperPolicy):
             return None, UNKNOWN_TOOL, now - p.interval_start
         return call.agent, call.tool, now - call.start_s
 
-    def move_pays(self, p: Program, idle_s: float, cost_s: float, now: float) -> bool:
-        """Whether moving ACTING `p` off its GPU tier pays: it stays away at least `cost_s`
-        with probability `displace_confidence` or more, by its tool's learned duration
-        distribution; without one (cold start), if its mean residual `idle_s` covers it.
-        Agent tool times are heavy-tailed, so the mean residual is carried by rare long
-        calls: moved on it, most victims came back well before it (3 replicas, real sample:
-        median 9.8 s away against 27.8 s expected) and paid their recompute for nothing."""
-        stays = self.predictor.stays_p(*self._current_call(p, now), cost_s)
-        return idle_s >= cost_s if stays is None else stays >= self.config.displace_confidence
+    def idle_if_move_pays(self, p: Program, cost_s: float, now: float) -> float | None:
+        """ACTING `p`'s expected idle seconds (`expected_idle_s`) if moving it off its GPU
+        tier pays, else None. It pays if `p` stays away at least `cost_s` with probability
+        `displace_confidence` or more, by its tool's learned duration distribution; without
+        one (cold start), if its mean residual covers it. Agent tool times are heavy-tailed,
+        so the mean residual is carried by rare long calls: moved on it, most victims came
+        back well before it (3 replicas, real sample: median 9.8 s away against 27.8 s
+        expected) and paid their recompute for nothing."""
+        idle, stays = self.predictor.residual(*self._current_call(p, now), cost_s)
+        pays = idle >= cost_s if stays is None else stays >= self.config.displace_confidence
+        return idle if pays else None
 
     def move_cost_s(self, p: Program, kept_on_host: bool) -> float:
         """What moving `p` off its GPU tier costs, in seconds.
@@ -390,17 +395,18 @@ class PricedPolicy(MoriPaperPolicy):
 
     def _rank(self, now: float) -> Callable[[Program], tuple]:
         """The promotion order of a held request: the paper's classes (CPU with a request,
-        returning, new); within 1 and 2 the most GPU activity per token of room first
-        (`_activity_density`), within 3 smallest first. Fixed while a request is held (a
-        held program's idleness does not move)."""
+        returning, new); within a class the client's priority first (agent hints), then
+        within 1 and 2 the most GPU activity per token of room (`_activity_density`),
+        within 3 smallest first. Fixed while a request is held (a held program's idleness
+        does not move)."""
         density = self._activity_density(self._ranking(now))
 
         def rank(p: Program) -> tuple:
             if p.placement.tier is Tier.CPU:
-                return (0, density(p), 0)
+                return (0, -p.priority, density(p), 0)
             if p.steps > 0:
-                return (1, density(p), 0)
-            return (2, p.context_tokens, 0)
+                return (1, -p.priority, density(p), 0)
+            return (2, -p.priority, p.context_tokens, 0)
 
         return rank
 
@@ -455,6 +461,8 @@ def spread_order(free: dict[str, int], programs: dict[str, int]) -> list[str]:
 
 
 AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # victim pools, by what the request needs
+# a victim pool's entry: (-expected idle, seq, program, start of its tool call, its context)
+_Entry = tuple[float, int, Program, float, int]
 
 
 def _pool_kind(p: Program, replica: str, aged: bool) -> str:
@@ -515,32 +523,39 @@ class _Victims:
 
     def __init__(self, policy: PricedPolicy) -> None:
         self._policy = policy
-        self._pools: dict[tuple[str, str], list[tuple[float, int, Program, float]]] = {}
+        self._pools: dict[tuple[str, str], list[_Entry]] = {}
+        self._tokens: dict[tuple[str, str], int] = {}  # per pool: its entries' tokens
         self._seq = count()
 
-    def _entry(self, q: Program, now: float, kind: str):
-        """(-expected idle, seq, q, start of its tool call), or None if moving q does not
-        pay (a reload if it keeps its host copy, else a recompute)."""
+    def _entry(self, q: Program, now: float, kind: str, room: int) -> _Entry | None:
+        """(-expected idle, seq, q, start of its tool call, its context), or None if moving
+        q does not pay (a reload if it keeps its host copy, else a recompute; `room`: the
+        host room of q's replica)."""
         policy = self._policy
-        idle = policy.expected_idle_s(q, now)
-        if kind != AGED:
-            kept = policy.victim_keeps_copy(q, fresh=kind == FRESH)
+        if kind == AGED:
+            idle: float | None = policy.expected_idle_s(q, now)
+        else:
+            kept = policy.victim_keeps_copy(q, kind == FRESH, room)
             cost = policy.move_cost_s(q, kept_on_host=kept)
-            if not policy.move_pays(q, idle, policy.config.displace_margin * cost, now):
+            idle = policy.idle_if_move_pays(q, policy.config.displace_margin * cost, now)
+            if idle is None:
                 return None
-        return (-idle, next(self._seq), q, q.interval_start)
+        return (-idle, next(self._seq), q, q.interval_start, q.context_tokens)
 
-    def _pool(self, replica: str, kind: str, now: float) -> list[tuple[float, int, Program, float]]:
-        pool = self._pools.get((replica, kind))
+    def _pool(self, replica: str, kind: str, now: float) -> list[_Entry]:
+        key = (replica, kind)
+        pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[(replica, kind)] = self.rank(replica, kind, now)
+            pool = self._pools[key] = self.rank(replica, kind, now)
+            self._tokens[key] = sum(entry[4] for entry in pool)
         return pool
 
-    def rank(self, replica: str, kind: str, now: float) -> list[tuple[float, int, Program, float]]:
+    def rank(self, replica: str, kind: str, now: float) -> list[_Entry]:
         """Every ACTING program of GPU(replica) whose move pays, farthest return first."""
         members = self._policy.tiers.members(Placement(Tier.GPU, replica))
+        room = self._policy.host_room(replica)
         entries = (
-            self._entry(q, now, kind)
+            self._entry(q, now, kind, room)
             for q in members
             if q.status is Status.ACTING and q.demote_after_step is None
         )
@@ -555,15 +570,24 @@ class _Victims:
 
     def add(self, q: Program, now: float) -> None:
         replica: str = q.placement.replica  # type: ignore[assignment]
+        room = None
         for kind in (RELOAD, FRESH):
             pool = self._pools.get((replica, kind))
-            entry = None if pool is None else self._entry(q, now, kind)
+            if pool is None:
+                continue
+            room = self._policy.host_room(replica) if room is None else room
+            entry = self._entry(q, now, kind, room)
             if entry is not None:
-                insort(pool, entry)  # type: ignore[arg-type]
+                insort(pool, entry)
+                self._tokens[(replica, kind)] += entry[4]
 
     def room(self, replica: str, kind: str, now: float) -> int:
-        """Tokens the pool could free on `replica` (an upper bound: stale entries count)."""
-        return sum(entry[2].context_tokens for entry in self._pool(replica, kind, now))
+        """Tokens the pool could free on `replica`: an upper bound, its entries' contexts
+        when they joined, kept as they join and leave (a program still valid to take has
+        the context it joined with: it changes only with a request or a response; stale
+        entries count, so `take` may still find too little)."""
+        self._pool(replica, kind, now)
+        return self._tokens[(replica, kind)]
 
     def take(self, replica: str, kind: str, needed: int, now: float) -> list[Program]:
         """Victims freeing `needed` tokens on `replica`, farthest return first, or [] (a
@@ -573,7 +597,7 @@ class _Victims:
         gpu, chosen, freed = Placement(Tier.GPU, replica), [], 0
         pool = self._pool(replica, kind, now)
         stale = 0
-        for _, _, q, since in pool:
+        for _, _, q, since, _ in pool:
             valid = q.placement == gpu and q.status is Status.ACTING
             if not valid or q.interval_start != since or q.demote_after_step is not None:
                 stale += 1 if not chosen else 0
@@ -581,6 +605,7 @@ class _Victims:
             chosen.append(q)
             freed += self._policy.tiers.freed_by(q)
             if freed >= needed:
+                self._tokens[(replica, kind)] -= sum(entry[4] for entry in pool[:stale])
                 del pool[:stale]  # the stale head is gone for good
                 return chosen
         return []

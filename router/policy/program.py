@@ -35,6 +35,9 @@ class Program:
     # leading spans of its context other programs may hold too (an anchor, a round's shared
     # prompt): the tiers count each once per placement (`Tiers.share`)
     shared: tuple[Segment, ...] = ()
+    # its current request's agent hints (router.policy.types.AgentHints)
+    priority: int = 0  # higher goes first within its promotion class
+    osl: int | None = None  # expected output tokens: the growth its step reserves
     # (reasoning, acting) summed over all cycles, and over those still in the window while
     # a cycle is ongoing; None when `cycles` changed. Ranking 10 000 programs per tick
     # needs idleness in O(1), not O(W).

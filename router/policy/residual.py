@@ -26,6 +26,9 @@ LOW_S = 0.01  # durations below land in the first bin
 DECADES = 7  # 0.01 s .. 100 000 s
 N_BINS = BINS_PER_DECADE * DECADES
 EDGES = [LOW_S * 10 ** (i / BINS_PER_DECADE) for i in range(N_BINS + 1)]
+WIDTHS = [hi - lo for lo, hi in zip(EDGES, EDGES[1:], strict=False)]
+MIDDLES = [(lo + hi) / 2 for lo, hi in zip(EDGES, EDGES[1:], strict=False)]
+LAST = N_BINS - 1
 _RENORMALISE_AT = 1e100
 
 
@@ -42,7 +45,9 @@ class DurationDistribution:
         self._sums = [0.0] * N_BINS
         self._weight = 1.0  # weight of the next observation; grows instead of decaying all
         self._growth = 2.0 ** (1.0 / half_life)
-        self._table: tuple[list[float], list[float]] | None = None
+        # suffix sums of the counts and of the durations, and the weight below which
+        # nothing lasted that long: computed once per observation, read by every query
+        self._table: tuple[list[float], list[float], float] | None = None
         self.observations = 0
 
     def observe(self, duration_s: float) -> None:
@@ -60,44 +65,59 @@ class DurationDistribution:
         self.observations += 1
 
     def mean_s(self) -> float:
-        counts, sums = self._suffixes()
+        counts, sums, _ = self._suffixes()
         return sums[0] / counts[0] if counts[0] > 0 else 0.0
 
     def remaining_s(self, elapsed_s: float) -> float:
         """E[D - a | D > a] for a = `elapsed_s`; `elapsed_s` itself past the data."""
         a = max(0.0, float(elapsed_s))
-        b, share, n = self._above(a)
-        if n is None:
-            return a
-        _, sums = self._suffixes()
-        lo, hi = EDGES[b], EDGES[b + 1]
-        mean_in_bin = self._sums[b] / self._counts[b] if self._counts[b] > 0 else (lo + hi) / 2
-        above_in_bin = max(a, mean_in_bin) if share < 1.0 else mean_in_bin
-        total = sums[b + 1] + share * self._counts[b] * above_in_bin
-        return max(0.0, total / n - a)
+        return self._remaining(a, self._above(a))
 
     def survival(self, elapsed_s: float, more_s: float) -> float | None:
         """P(D > a + x | D > a) for a = `elapsed_s`, x = `more_s`; None past the data."""
         a = max(0.0, float(elapsed_s))
-        n = self._above(a)[2]
+        return self._survival(a, self._above(a)[2], more_s)
+
+    def residual(self, elapsed_s: float, more_s: float) -> tuple[float, float | None]:
+        """(`remaining_s`, `survival`) at once, from one look-up of the elapsed time's bin
+        (a victim pool asks both for each of hundreds of programs)."""
+        a = max(0.0, float(elapsed_s))
+        above = self._above(a)
+        return self._remaining(a, above), self._survival(a, above[2], more_s)
+
+    def _remaining(self, a: float, above: tuple[int, float, float | None]) -> float:
+        b, share, n = above
+        if n is None:
+            return a
+        sums = self._suffixes()[1]
+        count = self._counts[b]
+        mean_in_bin = self._sums[b] / count if count > 0 else MIDDLES[b]
+        above_in_bin = max(a, mean_in_bin) if share < 1.0 else mean_in_bin
+        total = sums[b + 1] + share * count * above_in_bin
+        return max(0.0, total / n - a)
+
+    def _survival(self, a: float, n: float | None, more_s: float) -> float | None:
         if n is None:
             return None
         return (self._above(a + max(0.0, more_s))[2] or 0.0) / n
 
     def _above(self, t: float) -> tuple[int, float, float | None]:
         """(t's bin, the share of that bin above t, the weight of durations above t), the
-        weight None where (almost) nothing lasted that long."""
-        counts, _ = self._suffixes()
+        weight None where (almost) nothing lasted that long. A victim pool asks it for
+        hundreds of programs: the bin's edges and width and the suffix sums are read from
+        tables, the arithmetic is the same."""
+        counts, _, floor = self._table or self._suffixes()
         b = _bin(t)
-        lo, hi = EDGES[b], EDGES[b + 1]
-        share = 1.0 if t <= lo else max(0.0, (hi - t) / (hi - lo))
+        share = 1.0 if t <= EDGES[b] else max(0.0, (EDGES[b + 1] - t) / WIDTHS[b])
         n = counts[b + 1] + share * self._counts[b]
-        return b, share, (None if n <= 1e-12 * (counts[0] or 1.0) else n)
+        return b, share, (None if n <= floor else n)
 
-    def _suffixes(self) -> tuple[list[float], list[float]]:
-        """Counts and sums of bins b.. for every b (cached until the next observation)."""
+    def _suffixes(self) -> tuple[list[float], list[float], float]:
+        """Counts and sums of bins b.. for every b, and the weight at or below which
+        nothing lasted that long (cached until the next observation)."""
         if self._table is None:
-            self._table = (_suffix_sums(self._counts), _suffix_sums(self._sums))
+            counts = _suffix_sums(self._counts)
+            self._table = (counts, _suffix_sums(self._sums), 1e-12 * (counts[0] or 1.0))
         return self._table
 
 
@@ -110,4 +130,5 @@ def _suffix_sums(values: list[float]) -> list[float]:
 
 
 def _bin(d: float) -> int:
-    return min(N_BINS - 1, max(0, bisect_right(EDGES, d) - 1))
+    b = bisect_right(EDGES, d) - 1
+    return 0 if b < 0 else LAST if b > LAST else b

@@ -13,10 +13,12 @@ engine (which sees every cache event but no agents). A *component* hosted here g
 - `act(now)`: side effects off the critical path (push scores to an engine, warm an anchor),
   as plain `Action` values the shell carries out; the only call that changes a neighbour.
 
-Components are pure (injected clock, no I/O), like the policies that host them. Three plug
-in today: `TypedHints` (MORI's busy / idle / inactive types as program scores),
-`ToolDurations` (Tokencake's tool-duration predictor) and CacheSage
-(`router.policy.cachesage`). `AgentRuntime` fans the calls out to its components.
+Components are pure (injected clock, no I/O), like the policies that host them. Two plug
+in today: `TypedHints` (MORI's busy / idle / inactive types as program scores) and
+CacheSage (`router.policy.cachesage`). `AgentRuntime` fans the calls out to its components.
+Tool-call durations are forecast by the policy itself (`router.policy.predictor`, fed by
+`on_tool_start` / `on_tool_end` and the next request), not on this layer: a component
+observing the same calls would keep a second forecast no decision reads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from enum import StrEnum
 from typing import ClassVar
 
 from router.policy.base import HINT_OF_TIER, Policy
-from router.policy.predictor import DurationPredictor
 from router.policy.types import Hint
 
 
@@ -167,29 +168,3 @@ class TypedHints(RuntimeComponent):
             return None
         p = self.policy.programs.get(item.key)
         return None if p is None else KEEP_RANK[HINT_OF_TIER[p.placement.tier]]
-
-
-class ToolDurations(RuntimeComponent):
-    """Tokencake's tool-duration predictor on the layer: observes tool starts and ends per
-    (agent, tool), predicts each ongoing call's remaining seconds."""
-
-    name = "tool_durations"
-
-    def __init__(self, predictor: DurationPredictor) -> None:
-        self.predictor = predictor
-        self.calls: dict[str, tuple[str | None, str, float, float]] = {}  # pid -> call
-
-    def observe(self, event: AgentEvent) -> None:
-        pid = event.program_id
-        if event.kind is EventKind.TOOL_START and event.tool:
-            predicted = self.predictor.predict(event.agent, event.tool)
-            self.calls[pid] = (event.agent, event.tool, event.now, predicted)
-        elif event.kind in (EventKind.TOOL_END, EventKind.REQUEST, EventKind.END):
-            call = self.calls.pop(pid, None)
-            if call is not None and event.kind is not EventKind.END:
-                agent, tool, start, predicted = call
-                self.predictor.observe(agent, tool, event.now - start, predicted)
-
-    def predict(self, now: float) -> Mapping[str, float]:
-        """Program -> predicted seconds until its tool call ends (negative: overdue)."""
-        return {pid: start + pred - now for pid, (_, _, start, pred) in self.calls.items()}

@@ -145,7 +145,8 @@ class SpaceScheduler(PricedPolicy):
         return self.static(p.program_id) + dynamic_priority(wait, p.context_tokens)
 
     def _order_classes(self, classes: Classes, idleness: Idleness, now: float) -> None:
-        """MORI's order within each class, hybrid priority first."""
+        """MORI's order within each class, hybrid priority first (a client's agent-hint
+        priority still goes before it: the promotion pass sorts by that last)."""
         super()._order_classes(classes, idleness, now)
         for group in classes:
             group.sort(key=lambda p: -self.priority(p, now))  # stable: MORI's order in ties
@@ -155,7 +156,7 @@ class SpaceScheduler(PricedPolicy):
 
         def rank(p: Program) -> tuple:
             key = base(p)
-            return (key[0], -self.priority(p, now), *key[1:])
+            return (*key[:2], -self.priority(p, now), *key[2:])  # after the client's priority
 
         return rank
 
@@ -256,7 +257,7 @@ class SpaceScheduler(PricedPolicy):
             return []
         held = [
             p
-            for p in self._held_programs()
+            for p in self._every_held()  # starts at mori's door too: the room is theirs
             if p.placement.tier is not Tier.GPU
             and self.graphs.agent_type(p.program_id) in self.critical
         ]

@@ -78,6 +78,13 @@ class TokenDancePolicy(MoriPolicy):
         self._agents_due: dict[str, dict[str, str]] = {}  # replica -> program -> group
         self.collective = Counter()  # what the collective pass did, for reports
 
+    @property
+    def bounded(self) -> bool:
+        """Rounds are their own valve: a round's agents are let in together, and a round
+        that waited long makes others yield at round boundaries (`round_yield_x`), so
+        `mori`'s door and wait bound are not applied on top."""
+        return False
+
     # events ------------------------------------------------------------------------------
     def _admit(self, p: Program, now: float) -> list[Move]:
         rnd = self.rounds.round_of(p.program_id)

@@ -153,3 +153,20 @@ class ReplicaCapacity:
 
     gpu_tokens: int
     cpu_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHints:
+    """What a request says about itself (Dynamo's `nvext.agent_hints`, or MORI's headers).
+
+    priority: among held requests of one promotion class, higher goes first (never ahead
+    of a request the policy has aged into going first).
+    osl: the output tokens the step is expected to produce: the growth its context will
+    need, reserved instead of the program's last-step growth (None: not given).
+    """
+
+    priority: int = 0
+    osl: int | None = None
+
+
+NO_HINTS = AgentHints()

@@ -1,9 +1,9 @@
 """What a response tells the router: token usage, prompt-cache hits, the tool calls it ends in.
 
-OpenAI and Anthropic answers (streamed or not) are read here. The stream filter also
-drops what the router forced when the client did not ask for it (the usage chunk of
-`stream_options.include_usage`, SGLang's `sglext` cache-details chunk), so clients see
-exactly the stream they requested.
+OpenAI and Anthropic answers (streamed or not) are read here. The stream filters also
+drop what the router forced when the client did not ask for it (the usage chunk of
+`stream_options.include_usage`, SGLang's `sglext` cache details), so clients see exactly
+the stream they requested.
 
 Prompt-cache hits, as SGLang (0.5.17 and 0.5.23 alike) reports them:
 - `usage.prompt_tokens_details.cached_tokens`: all cached prompt tokens, sent only when the
@@ -11,7 +11,11 @@ Prompt-cache hits, as SGLang (0.5.17 and 0.5.23 alike) reports them:
 - the device/host split, only when the request sets `return_cached_tokens_details: true`
   (CACHE_DETAILS_FLAG) and some prompt token was cached: at the top level of a plain
   answer, or in a stream as its own chunk `{"choices": [], "sglext": {"cached_tokens_details":
-  {"device": D, "host": H}}}` just before the usage chunk.
+  {"device": D, "host": H}}}` just before the usage chunk;
+- on Anthropic answers, `usage.cache_read_input_tokens` (cached, left out at 0; the usage's
+  `input_tokens` are the rest of the prompt), and the split, with the MORI plugin
+  (engine_patches/messages.py), as `sglext` at the top level of a message or of a stream's
+  `message_delta` event.
 """
 
 from __future__ import annotations
@@ -90,6 +94,11 @@ def openai_usage(doc: dict[str, Any], usage: Usage) -> None:
         details = u.get("prompt_tokens_details")
         if isinstance(details, dict):
             usage.cached_tokens = _int(details.get("cached_tokens"))
+    cache_split(doc, usage)
+
+
+def cache_split(doc: dict[str, Any], usage: Usage) -> None:
+    """Fold SGLang's device/host split (`sglext.cached_tokens_details`) into `usage`."""
     ext = doc.get("sglext")
     split = ext.get("cached_tokens_details") if isinstance(ext, dict) else None
     if isinstance(split, dict):
@@ -230,6 +239,9 @@ class OpenAIStream:
 
 # --- Anthropic ------------------------------------------------------------------------
 def anthropic_usage(u: Any, usage: Usage) -> None:
+    """Fold an Anthropic `usage` object into `usage`: the prompt is its input tokens, cache
+    reads and cache writes; the cache reads are its cached prefix (a stream's
+    `message_delta` may carry the output alone: the prompt counts stay)."""
     if not isinstance(u, dict):
         return
     prompt = [
@@ -238,8 +250,18 @@ def anthropic_usage(u: Any, usage: Usage) -> None:
     ]
     if prompt[0] is not None:
         usage.prompt_tokens = sum(p or 0 for p in prompt)
+        usage.cached_tokens = prompt[1]
     if _int(u.get("output_tokens")) is not None:
         usage.completion_tokens = u["output_tokens"]
+
+
+def anthropic_doc(doc: dict[str, Any], usage: Usage) -> None:
+    """Fold a Messages answer, or a stream's `message_start` / `message_delta` event, into
+    `usage`: its usage and the cache split beside it."""
+    message = doc.get("message") if doc.get("type") == "message_start" else doc
+    if isinstance(message, dict):
+        anthropic_usage(message.get("usage"), usage)
+    cache_split(doc, usage)
 
 
 def anthropic_body(content: bytes) -> Usage:
@@ -247,7 +269,7 @@ def anthropic_body(content: bytes) -> Usage:
     doc = _json_object(content)
     if doc is None:
         return usage
-    anthropic_usage(doc.get("usage"), usage)
+    anthropic_doc(doc, usage)
     blocks = doc.get("content") if isinstance(doc.get("content"), list) else []
     usage.tool = tool_key(
         [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]
@@ -256,10 +278,12 @@ def anthropic_body(content: bytes) -> Usage:
 
 
 class AnthropicStream:
-    """Reads a Messages SSE stream for usage and its tool_use blocks; passes every event
-    unchanged, whole events only (so an error event can always follow cleanly)."""
+    """Reads a Messages SSE stream for usage and its tool_use blocks; passes every event on,
+    whole events only (so an error event can always follow cleanly), unchanged but for the
+    cache split the router asked for itself (removed unless the client asked too)."""
 
-    def __init__(self, client_wants_usage: bool = True) -> None:
+    def __init__(self, client_wants_details: bool = True) -> None:
+        self.client_wants_details = client_wants_details
         self.usage = Usage()
         self.ended = False  # `message_stop` went by: the client has the whole answer
         self._buffer = b""
@@ -270,33 +294,33 @@ class AnthropicStream:
         if b"\n\n" not in self._buffer:
             return b""
         *events, self._buffer = self._buffer.split(b"\n\n")
-        for e in events:
-            self._event(e)
-        return b"".join(e + b"\n\n" for e in events)
+        return b"".join(self._event(e) for e in events)
 
     def flush(self) -> bytes:
         rest, self._buffer = self._buffer, b""
-        return rest + b"\n\n" if rest.strip() else b""
+        return self._event(rest) if rest.strip() else b""
 
     def finish(self) -> Usage:
         calls = [{"name": name, "input": "".join(args)} for name, args in self._calls.values()]
         self.usage.tool = tool_key(calls)
         return self.usage
 
-    def _event(self, event: bytes) -> None:
+    def _event(self, event: bytes) -> bytes:
+        out = event + b"\n\n"
         if b'"usage"' not in event and b"tool_use" not in event and b"input_json" not in event:
             if b"message_stop" in event:
                 doc = _sse_json(event)
                 self.ended = self.ended or (doc is not None and doc.get("type") == "message_stop")
-            return
+            return out
         doc = _sse_json(event)
         if doc is None:
-            return
+            return out
         kind = doc.get("type")
-        if kind == "message_start" and isinstance(doc.get("message"), dict):
-            anthropic_usage(doc["message"].get("usage"), self.usage)
-        elif kind == "message_delta":
-            anthropic_usage(doc.get("usage"), self.usage)
+        if kind in ("message_start", "message_delta"):
+            anthropic_doc(doc, self.usage)
+            if "sglext" in doc and not self.client_wants_details:
+                doc.pop("sglext")
+                out = b"event: " + kind.encode() + b"\ndata: " + codec.dumps(doc) + b"\n\n"
         elif kind == "content_block_start":
             block = doc.get("content_block")
             if isinstance(block, dict) and block.get("type") == "tool_use":
@@ -305,6 +329,7 @@ class AnthropicStream:
             delta = doc.get("delta")
             if isinstance(delta, dict) and isinstance(delta.get("partial_json"), str):
                 self._calls[doc["index"]][1].append(delta["partial_json"])
+        return out
 
 
 def _sse_json(event: bytes) -> dict[str, Any] | None:

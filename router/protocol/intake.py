@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from starlette.requests import ClientDisconnect, Request
 
 from router.policy.labels import LabelError, check_label
+from router.policy.types import NO_HINTS, AgentHints
 from router.protocol import identity
 from router.protocol.accounting import CACHE_DETAILS_FLAG
 from router.protocol.agent_identity import Anchor, anchor_of
@@ -74,6 +75,8 @@ class Prepared(NamedTuple):
     app: str | None = None  # the application (agent graph) its task runs (namespaced)
     segments: tuple[RawSegment, ...] = ()  # the prompt, message by message (segments.py)
     round: str | None = None  # the All-Gather round the application names (namespaced)
+    identity: identity.Identity | None = None  # where the program id came from, its session
+    hints: AgentHints = NO_HINTS  # the request's priority and expected output length
 
 
 class Hints(NamedTuple):
@@ -85,21 +88,35 @@ class Hints(NamedTuple):
     parent: str | None = None  # X-Parent-Id
     app: str | None = None  # X-App-Id
     round: str | None = None  # X-Round-Id
+    sessions: tuple[tuple[str, str | None], ...] = ()  # harness session headers (identity)
+    priority: str | None = None  # X-Mori-Priority
+    osl: str | None = None  # X-Mori-Osl
 
 
 def request_hints(headers: Mapping[str, str], key: str | None) -> Hints:
-    """The headers `prepare` reads, decoded as UTF-8 (400 naming the header if not)."""
+    """The headers `prepare` reads, decoded as UTF-8 (400 naming the header if not; a
+    harness's session header is never refused, see router.protocol.identity)."""
     try:
         program_id = header_text(headers, "x-program-id")
         agent = header_text(headers, "x-agent-role")
         parent = header_text(headers, "x-parent-id")
         app = header_text(headers, "x-app-id")
         round_id = header_text(headers, "x-round-id")
+        priority = header_text(headers, "x-mori-priority")
+        osl = header_text(headers, "x-mori-osl")
     except LabelError as e:
         raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
     namespace = identity.namespace(key)
     return Hints(
-        program_id or None, agent or None, namespace, parent or None, app or None, round_id or None
+        program_id or None,
+        agent or None,
+        namespace,
+        parent or None,
+        app or None,
+        round_id or None,
+        identity.session_headers(headers),
+        priority or None,
+        osl or None,
     )
 
 
@@ -187,9 +204,10 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     body = parse_json_object(raw)
     validate(kind, body)
     try:
-        program_id = identity.resolve(body, hints.program_id, hints.namespace)
+        who = identity.resolve(body, hints.program_id, hints.namespace, hints.sessions)
     except LabelError as e:
         raise ApiError(400, str(e), param=e.field, code="invalid_program_id") from None
+    program_id = who.program_id
     body.pop("program_id", None)
     if isinstance(body.get("extra_body"), dict):
         body["extra_body"].pop("program_id", None)
@@ -210,12 +228,13 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     wants_details = bool(body.get(CACHE_DETAILS_FLAG))
+    # SGLang's fields, on Messages too: the MORI plugin carries them through SGLang's
+    # Anthropic entrypoint (engine_patches/messages.py; a plain SGLang drops them there)
     body["session_id"] = program_id
-    if kind != "messages":
-        body["rid"] = rid
-        body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
-        if stream:
-            body["stream_options"] = {**(options or {}), "include_usage": True}
+    body["rid"] = rid
+    body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
+    if stream and kind != "messages":  # Anthropic streams always carry their usage
+        body["stream_options"] = {**(options or {}), "include_usage": True}
     return Prepared(
         program_id=program_id,
         agent=agent or (anchor.agent if anchor else None),
@@ -230,7 +249,44 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
         app=hints.namespace + app if app else None,
         segments=segments,
         round=hints.namespace + round_id if round_id else None,
+        identity=who,
+        hints=agent_hints(body.get("nvext"), hints),
     )
+
+
+MAX_HINT = 2**31 - 1  # hints are 32-bit signed integers, as engines take a priority
+
+
+def agent_hints(nvext: Any, headers: Hints) -> AgentHints:
+    """The request's agent hints: Dynamo's `nvext.agent_hints` (`priority`, `osl`), else
+    the headers `X-Mori-Priority` and `X-Mori-Osl`; a bad value is a 400 naming it. The
+    body is passed on untouched (an engine that knows the hints may use them too)."""
+    given = nvext.get("agent_hints") if isinstance(nvext, dict) else None
+    given = given if isinstance(given, dict) else {}
+    priority = _hint(given.get("priority"), "nvext.agent_hints.priority", -MAX_HINT)
+    if priority is None:
+        priority = _hint(headers.priority, "X-Mori-Priority", -MAX_HINT, text=True)
+    osl = _hint(given.get("osl"), "nvext.agent_hints.osl", 0)
+    if osl is None:
+        osl = _hint(headers.osl, "X-Mori-Osl", 0, text=True)
+    if priority is None and osl is None:
+        return NO_HINTS
+    return AgentHints(priority or 0, osl)
+
+
+def _hint(value: Any, field: str, least: int, text: bool = False) -> int | None:
+    """An integer hint in [least, MAX_HINT] (a header's decimal text when `text`),
+    None when absent, else a 400."""
+    if value is None:
+        return None
+    if text:
+        try:
+            value = int(value, 10)
+        except ValueError:
+            value = None
+    ok = isinstance(value, int) and not isinstance(value, bool) and least <= value <= MAX_HINT
+    _require(ok, f"`{field}` must be an integer from {least} to {MAX_HINT}", field)
+    return value
 
 
 PROMPT_FIELDS = ("messages", "prompt", "system", "tools", "functions")

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from router.policy.types import NO_HINTS, AgentHints
 from router.protocol.accounting import Usage
 from router.protocol.agent_identity import Anchor
+from router.protocol.identity import Identity
 from router.protocol.segments import RawSegment
 
 # worker -> owner
@@ -51,6 +53,8 @@ class Ticket(NamedTuple):
     app: str | None = None  # the application (agent graph) its task runs (X-App-Id)
     segments: tuple[RawSegment, ...] = ()  # the prompt, message by message (segments.py)
     round: str | None = None  # the All-Gather round the application names (X-Round-Id)
+    identity: Identity | None = None  # the id's source and session (the owner's Sessions)
+    hints: AgentHints = NO_HINTS  # the request's priority and expected output length
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`mori replay TRACE --endpoint URL`: closed-loop live replay of a trace (MORI 6.1).
 
 Drives N concurrent agent programs against any OpenAI-compatible endpoint (a `mori serve`
-router, an SGLang server, `mori emulate`) and reports what `mori sim` reports: the same
-table, JSON, CSV and plots, so live and simulated cells sit side by side.
+router, an SGLang server, `mori emulate`), over chat completions or, with `--api anthropic`,
+over Anthropic Messages as Claude Code speaks it, and reports what `mori sim` reports: the
+same table, JSON, CSV and plots, so live and simulated cells sit side by side.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from router.replay.client import Replay, ReplayConfig
+from router.replay.apis import API_NAMES
+from router.replay.client import IDENTITIES, Replay, ReplayConfig
 from router.replay.records import RunResult, StepRecord
 from router.replay.trace import TraceError, TraceProgram, load_trace
 
@@ -26,8 +28,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint",
         default="http://127.0.0.1:8000",
-        help="OpenAI API base URL (router, SGLang or emulator; default :8000)",
+        help="API base URL (router, SGLang or emulator; default :8000)",
     )
+    add_api_argument(parser)
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     parser.add_argument("--duration", type=float, default=60.0, help="wall seconds to run")
     parser.add_argument(
@@ -57,12 +60,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model name to request (default: the endpoint's first)")
     parser.add_argument("--api-key", default="none", help="API key for the endpoint")
     parser.add_argument(
+        "--identity",
+        choices=IDENTITIES,
+        default="program-id",
+        help="how requests name their program: program-id in the body (default), none (the "
+        "router fingerprints the conversation), or a harness's session header shared by a "
+        "root program and its subagents, nothing in the body (claude-code: "
+        "X-Claude-Code-Session-Id, codex: session-id, opencode: x-opencode-session)",
+    )
+    parser.add_argument(
         "--json",
         dest="json_out",
         help="write results JSON (+ .csv, steps CSV, plots) (default: none)",
     )
     parser.add_argument(
         "--wide", action="store_true", help="results table with every metric (over 80 columns)"
+    )
+
+
+def add_api_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api",
+        choices=API_NAMES,
+        default="openai",
+        help="wire API: OpenAI chat completions (OpenAI SDK, program id in the body) or "
+        "Anthropic Messages (Anthropic SDK, program id in metadata.user_id)",
     )
 
 
@@ -106,6 +128,8 @@ def replay_with_progress(
             text = f"{p.steps} steps, {p.output_tokens / trace_s:.0f} out tok/s"
             if p.failed:
                 text += f", [red]{p.failed} failed[/red]"
+            if p.deferred:
+                text += f", {p.deferred} starts deferred"
             bar.update(task, completed=fraction, stats=text)
 
         result = asyncio.run(run.run(tick))
@@ -130,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_trace(args.trace)
         config = ReplayConfig(
             endpoint=args.endpoint,
+            api=args.api,
             concurrency=args.concurrency,
             duration_s=args.duration,
             programs=args.programs,
@@ -140,11 +165,14 @@ def run(args: argparse.Namespace) -> int:
             cpu_ratio=args.cpu_ratio,
             model=args.model,
             api_key=args.api_key,
+            identity=args.identity,
         )
     except (TraceError, ValueError) as e:
         console.print(f"[red]mori replay: {e}[/red]")
         return 2
     title = f"{Path(args.trace).name} via {args.endpoint}, {args.duration:g} s wall"
+    if args.api != "openai":
+        title += f", {args.api} API"
     if args.time_scale != 1.0:
         title += f" x{args.time_scale:g} time"
     try:

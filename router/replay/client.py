@@ -1,6 +1,7 @@
-"""Closed-loop live replay of an agent trace against an OpenAI endpoint (MORI 6.1).
+"""Closed-loop live replay of an agent trace against an OpenAI or Anthropic endpoint (MORI 6.1).
 
-`concurrency` clients each replay one program over HTTP with the OpenAI SDK: send a step,
+`concurrency` clients each replay one program over HTTP with the OpenAI SDK (chat
+completions) or the Anthropic SDK (Messages, `api="anthropic"`; router/replay/apis.py): send a step,
 wait for the whole (streamed) answer, sleep the step's `tool_s`, send the next step; then
 take the next program of the corpus (shuffled once by the seed, cycled). A program's
 subagents run as extra clients from their `start_s`. Prompts are synthesised by
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -28,20 +30,39 @@ from urllib.parse import quote
 import httpx
 import openai
 
-from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, openai_usage
+from router.protocol.identity import namespace
+from router.replay.apis import API_NAMES, ERRORS, Answer, Call, sender
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation
 from router.replay.records import RunResult, StepRecord, summarize
+from router.replay.retries import (
+    ERROR_CODE_HEADER,
+    START_DEFERRED,
+    ClientRetries,
+    retried,
+    retry_after_s,
+)
 from router.replay.trace import TraceProgram, TraceStep
 
 UTIL_SAMPLE_S = 1.0  # wall seconds between GPU-utilisation samples
+RETRIES = ClientRetries()  # the SDKs' defaults (the SDK's own retries are off: max_retries=0)
+# How requests name their program (`--identity`): `program-id` in the body (and the parent
+# in X-Parent-Id), `none` not at all (the router fingerprints), or as a harness does: its
+# session header, the root program's value shared by its subagents, nothing in the body.
+SESSION_HEADERS = {
+    "claude-code": "X-Claude-Code-Session-Id",
+    "codex": "session-id",
+    "opencode": "x-opencode-session",
+}
+IDENTITIES = ("program-id", "none", *SESSION_HEADERS)
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
     """One live run. `duration_s` is wall time; everything reported is on the trace clock."""
 
-    endpoint: str  # base URL of the OpenAI API (with or without /v1)
+    endpoint: str  # base URL of the API (with or without /v1)
+    api: str = "openai"  # the wire API: "openai" (chat completions) or "anthropic" (Messages)
     concurrency: int = 8
     duration_s: float = 60.0
     time_scale: float = 1.0
@@ -54,8 +75,11 @@ class ReplayConfig:
     start_jitter_s: float = 5.0  # trace seconds over which clients start
     request_timeout_s: float = 600.0
     programs: int | None = None  # stop early once this many main programs have finished
+    identity: str = "program-id"  # how requests name their program (IDENTITIES)
 
     def __post_init__(self) -> None:
+        if self.identity not in IDENTITIES:
+            raise ValueError(f"identity must be one of {', '.join(IDENTITIES)}: {self.identity}")
         checks = {
             "concurrency": self.concurrency >= 1,
             "duration_s": self.duration_s > 0,
@@ -63,6 +87,7 @@ class ReplayConfig:
             "token_scale": self.token_scale > 0,
             "start_jitter_s": self.start_jitter_s >= 0,
             "programs": self.programs is None or self.programs >= 1,
+            "api": self.api in API_NAMES,
         }
         for name, ok in checks.items():
             if not ok:
@@ -83,24 +108,48 @@ class _Instance:
     program: TraceProgram
     parent: _Instance | None = None
     conversation: Conversation = field(init=False)
+    routed: str | None = None  # the program id the router answered with (x-mori-program-id)
 
     @property
     def session(self) -> str:
         """The task: the pid of the root program it runs under."""
         return self.parent.session if self.parent else self.pid
 
-    @property
-    def headers(self) -> dict[str, str]:
-        """The agent role and the parent program, for a router's agent runtime layer
-        (CacheSage); engines ignore them."""
-        out = {}
+    def headers(self, identity: str) -> dict[str, str]:
+        """The agent role and the app, for a router's agent runtime layer (CacheSage;
+        engines ignore them), and the program's identity as `identity` has it sent: with
+        `program-id` the program (`X-Program-Id` too: a proxy in front hashes it without
+        reading the body, docs/deployment.md) and its parent (X-Parent-Id), as a harness
+        its session header."""
+        out = {"X-Program-Id": self.pid} if identity == "program-id" else {}
         if self.program.agent:
             out["X-Agent-Role"] = self.program.agent
-        if self.parent is not None:
+        if identity == "program-id" and self.parent is not None:
             out["X-Parent-Id"] = self.parent.pid
+        elif identity in SESSION_HEADERS:
+            out[SESSION_HEADERS[identity]] = self.session
         if self.program.app:
             out["X-App-Id"] = self.program.app
         return out
+
+
+@dataclass
+class _Tries:
+    """One step's attempts: when it first asked, how often it was retried or deferred."""
+
+    first_arrival: float
+    first: bool  # the program's first step (a start)
+    retries: int = 0
+    refusals: int = 0
+
+    def fields(self) -> dict:
+        """The StepRecord fields they fill."""
+        return {
+            "first": self.first,
+            "first_arrival_s": self.first_arrival,
+            "retries": self.retries,
+            "refusals": self.refusals,
+        }
 
 
 @dataclass
@@ -109,6 +158,7 @@ class Progress:
 
     steps: int = 0
     failed: int = 0
+    deferred: int = 0  # starts told to come back (they do: not failures)
     output_tokens: int = 0
     programs_done: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -121,13 +171,18 @@ class Replay:
         self.config = config
         self.corpus = ClosedLoopCorpus(corpus, config.token_scale, config.seed)
         self.rng = self.corpus.rng
+        self._retry_rng = random.Random(f"retries-{config.seed}")  # the corpus' stream stays
         self.run_tag = uuid.uuid4().hex[:6]  # program ids never collide with an earlier run
         self.records: list[StepRecord] = []
         self.progress = Progress()
         self._t0 = 0.0
         self._util: list[float] = []
         self._tasks: set[asyncio.Task] = set()
-        self._live: set[str] = set()  # programs started and not ended
+        self._live: dict[str, _Instance] = {}  # programs started and not ended
+        # per replayed program: the program ids the router answered with, and its parent's
+        # pid (how the router's view of programs is checked against the trace's)
+        self.routed: dict[str, set[str]] = {}
+        self.parents: dict[str, str | None] = {}
         self._handoffs: dict[tuple[str, str, int], asyncio.Event] = {}  # steps that ended
         self._apps: set[str] = set()  # app graphs registered with the router
         self._crash: BaseException | None = None
@@ -159,8 +214,9 @@ class Replay:
                 http_client=http,
                 max_retries=0,
             ) as api,
+            sender(cfg.api, api, cfg.api_key, cfg.request_timeout_s, self.now) as send,
         ):
-            self.http, self.api = http, api
+            self.http, self.api, self.send = http, api, send
             self.model = cfg.model or await self._first_model()
             self.labels = await self._labels()
             self._t0 = time.monotonic()
@@ -196,7 +252,6 @@ class Replay:
             "duration_s": trace_duration,
             "wall_s": self._wall,
             "seed": cfg.seed,
-            "failed_steps": sum(not r.ok for r in self.records),
         }
         return summarize(
             self.records,
@@ -225,7 +280,7 @@ class Replay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        ends = (self._tell(pid, "end") for pid in self._live)
+        ends = (self._tell(me, "end") for me in self._live.values())
         await asyncio.gather(*ends, return_exceptions=True)
 
     async def _first_model(self) -> str:
@@ -249,6 +304,7 @@ class Replay:
     async def _program(self, program: TraceProgram, parent: _Instance | None = None) -> None:
         pid = f"{self.run_tag}-{program.program_id}.{self.corpus.next_instance()}"
         me = _Instance(pid, program, parent)
+        self.parents[pid] = parent.pid if parent is not None else None
         if program.graph and program.app not in self._apps:
             self._apps.add(program.app)  # type: ignore[arg-type]
             await self._register(program.app, program.graph)  # type: ignore[arg-type]
@@ -260,7 +316,7 @@ class Replay:
             pid, program.agent, program.anchor_tokens, self.config.seed, program.inherit_tokens
         )
         me.conversation.inherit(inherited)
-        self._live.add(pid)
+        self._live[pid] = me
         for i, step in enumerate(program.steps):
             await self._hand_over(me, step)
             reused = step.reused_tokens if i else 0
@@ -272,14 +328,20 @@ class Replay:
             me.conversation.record_answer(await self._step(me, step, messages))
             self._handoff_event(me.session, program.program_id, i).set()
             if i + 1 < len(program.steps) and step.tool:
-                await self._tell(pid, "tool_start", {"tool": step.tool}, me.headers)
+                headers = me.headers(self.config.identity)
+                await self._tell(me, "tool_start", {"tool": step.tool}, headers)
             if not (i + 1 < len(program.steps) and program.steps[i + 1].after):
                 await self._sleep_trace(step.tool_s)  # a hand-over is waited for, not slept
-        self._live.discard(pid)
         if parent is None:
             self._handoffs = {k: v for k, v in self._handoffs.items() if k[0] != me.session}
-        self._spawn(self._tell(pid, "end"))
+        self._spawn(self._end(me))
         self.progress.programs_done += 1
+
+    async def _end(self, me: _Instance) -> None:
+        """Tell the router the program ended; it stays live until told, so a run that
+        stops first (cancelling this) ends it in `_cancel_all`."""
+        await self._tell(me, "end")
+        self._live.pop(me.pid, None)
 
     async def _subagent(self, program: TraceProgram, parent: _Instance) -> None:
         if not program.steps[0].after:  # starts on a hand-over, not at a nominal time
@@ -309,14 +371,19 @@ class Replay:
             )
 
     async def _tell(
-        self, pid: str, action: str, body: dict | None = None, headers: dict | None = None
+        self, me: _Instance, action: str, body: dict | None = None, headers: dict | None = None
     ) -> None:
         """Tell a router what the agent does next: the tool call a step ends in (a real
         agent's answer names it in `tool_calls`; the replayed answer cannot, so the trace's
         tool is told the way an agent without tool calls would), or the program's end.
         Skipped for an engine itself; a failure is ignored (the router's lease covers it).
-        With the API key: a router that checks keys refused these before."""
-        if self.labels[0] == "direct":
+        With the API key: a router that checks keys refused these before. Without a
+        `program_id` in the body the program is the one the router answered with, less the
+        key's namespace (the router adds it to the ids a client names)."""
+        pid = me.pid
+        if self.config.identity != "program-id":
+            pid = (me.routed or "").removeprefix(namespace(self.config.api_key))
+        if self.labels[0] == "direct" or not pid:
             return
         url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/{action}"
         headers = {**(headers or {}), **self._auth}
@@ -324,66 +391,95 @@ class Replay:
             await self.http.post(url, json=body or {}, headers=headers, timeout=5.0)
 
     async def _step(self, me: _Instance, step: TraceStep, messages: list[dict]) -> str:
-        """Send one step, stream the answer, record it; returns the answer's text."""
+        """Send one step as the SDKs would (`router.replay.retries`: a start told to come
+        back comes back, any other error is retried twice), stream the answer, record it;
+        returns the answer's text."""
         pid = me.pid
-        arrival = self.now()
-        first: float | None = None
-        parts: list[str] = []
-        usage = Usage()
-        replica = None
-        try:
-            raw = await self.api.chat.completions.with_raw_response.create(
-                model=self.model,
-                messages=messages,
-                max_tokens=max(1, step.output_tokens),
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "program_id": pid, CACHE_DETAILS_FLAG: True},
-                extra_headers={**me.headers, **self._round(me, step)},
-            )
-            replica = raw.headers.get("x-mori-replica")
-            async for chunk in raw.parse():
-                if chunk.choices and chunk.choices[0].delta.content:
-                    if first is None:
-                        first = self.now()
-                    parts.append(chunk.choices[0].delta.content)
-                if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
-                    openai_usage(chunk.to_dict(), usage)
-        except (openai.OpenAIError, httpx.HTTPError) as e:
-            self._fail(pid, step, arrival, replica, e)
-            return "".join(parts)
+        tries = _Tries(self.now(), first=step is me.program.steps[0])
+        call = Call(
+            self.model,
+            messages,
+            max(1, step.output_tokens),
+            pid if self.config.identity == "program-id" else None,
+            {**me.headers(self.config.identity), **self._round(me, step)},
+        )
+        while True:
+            arrival = self.now()
+            answer = Answer()
+            try:
+                await self.send(answer, call)
+            except ERRORS as e:
+                self._note_routed(me, answer)
+                delay = None if answer.first is not None else self._again_in(e, tries)
+                if delay is None:  # the SDKs give up (or the answer broke off mid-stream)
+                    self._fail(pid, step, arrival, answer.replica, e, tries)
+                    return "".join(answer.parts)
+                await self._sleep_trace(delay)
+                continue
+            break
+        self._note_routed(me, answer)
         finish = self.now()
-        hits = usage.hits()
+        usage, hits = answer.usage, answer.usage.hits()
         self.records.append(
             StepRecord(
                 program_id=pid,
-                replica=replica,
+                replica=answer.replica,
                 arrival_s=arrival,
-                first_token_s=first if first is not None else finish,
+                first_token_s=answer.first if answer.first is not None else finish,
                 finish_s=finish,
                 input_tokens=_or(usage.prompt_tokens, step.input_tokens),
-                output_tokens=_or(usage.completion_tokens, len(parts)),
+                output_tokens=_or(usage.completion_tokens, len(answer.parts)),
                 cached_device=hits.device if hits else 0,
                 cached_host=hits.host if hits else 0,
                 session=me.session,
                 agent=me.program.agent,
                 last=step is me.program.steps[-1],
                 round=f"{me.session}/{step.round}" if step.round else None,
+                **tries.fields(),
             )
         )
         self.progress.steps += 1
         self.progress.output_tokens += self.records[-1].output_tokens
-        return "".join(parts)
+        return "".join(answer.parts)
+
+    def _note_routed(self, me: _Instance, answer: Answer) -> None:
+        """The program the router filed the step under (its `x-mori-program-id`)."""
+        me.routed = answer.routed or me.routed
+        if me.routed is not None:
+            self.routed.setdefault(me.pid, set()).add(me.routed)
+
+    def _again_in(self, error: Exception, tries: _Tries) -> float | None:
+        """Trace seconds until the next attempt after `error`, or None: the step fails. A
+        start the router's door deferred comes back when told, however often; anything
+        else is retried as the SDKs retry (their Retry-After is in wall seconds)."""
+        response = getattr(error, "response", None)
+        headers = response.headers if response is not None else {}
+        after = retry_after_s(headers)
+        after = None if after is None else after * self.config.time_scale
+        code = getattr(error, "code", None) or headers.get(ERROR_CODE_HEADER)
+        if code == START_DEFERRED:
+            tries.refusals += 1
+            self.progress.deferred += 1
+            return after if after is not None else 1.0
+        if not retried(getattr(error, "status_code", None)):
+            return None
+        delay = RETRIES.delay_s(tries.retries, after, self._retry_rng)
+        tries.retries += delay is not None
+        return delay
 
     @staticmethod
     def _round(me: _Instance, step: TraceStep) -> dict[str, str]:
         """The step's All-Gather round, for a round-aware router (engines ignore it)."""
         return {"X-Round-Id": f"{me.session}/{step.round}"} if step.round else {}
 
-    def _fail(self, pid: str, step: TraceStep, arrival: float, replica, error: Exception) -> None:
+    def _fail(
+        self, pid: str, step: TraceStep, arrival: float, replica, error: Exception, tries: _Tries
+    ) -> None:
         now = self.now()
         self.records.append(
-            StepRecord(pid, replica, arrival, now, now, step.input_tokens, 0, ok=False)
+            StepRecord(
+                pid, replica, arrival, now, now, step.input_tokens, 0, ok=False, **tries.fields()
+            )
         )
         kind = type(error).__name__
         status = getattr(error, "status_code", None)

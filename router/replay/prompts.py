@@ -68,6 +68,12 @@ WORDS = [
 ]
 # Prefix cuts this close to the full history keep it whole (traces round reuse to pages).
 KEEP_HISTORY_SLACK_TOKENS = 256
+# A program's first prompt opens with a short task message, its context after it: a reuse
+# that drops back into the context (a trace's cache break or compaction) keeps the
+# conversation's start, as an agent's does, so a router naming programs by that start
+# (router.protocol.identity) still sees one program; a reuse shorter than the task is a
+# new conversation.
+TASK_TOKENS = 32
 
 Message = dict[str, Any]
 
@@ -219,8 +225,16 @@ class Conversation:
             return [*self._inherited, _message_with_tokens("user", rest, self._rng)]
         anchor = min(self.anchor_tokens, input_tokens)
         if anchor <= 0:
-            return [_message_with_tokens("user", input_tokens, self._rng)]
+            return self._opening(input_tokens)
         # The agent role's shared prefix: the same text in every program of that role.
         role_rng = random.Random(_seed(self.seed, "anchor", self.agent))
         system = _message_with_tokens("system", anchor, role_rng)
-        return [system, _message_with_tokens("user", input_tokens - anchor, self._rng)]
+        return [system, *self._opening(input_tokens - anchor)]
+
+    def _opening(self, tokens: int) -> list[Message]:
+        """The first user messages, `tokens` tokens in all: the task (`TASK_TOKENS`), then
+        the context; one message when there is too little for two."""
+        if tokens < 2 * TASK_TOKENS:
+            return [_message_with_tokens("user", tokens, self._rng)]
+        task = _message_with_tokens("user", TASK_TOKENS, self._rng)
+        return [task, _message_with_tokens("user", tokens - TASK_TOKENS, self._rng)]

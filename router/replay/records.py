@@ -45,6 +45,21 @@ class StepRecord:
     agent: str | None = None  # the program's agent role
     last: bool = False  # the program's last step
     round: str | None = None  # the All-Gather round the step belongs to (unique in the run)
+    first: bool = False  # the program's first step: a start (its wait is the start's)
+    first_arrival_s: float | None = None  # its first attempt (None: `arrival_s`)
+    retries: int = 0  # attempts the client repeated after an error (`ClientRetries`)
+    refusals: int = 0  # times the router's door told the start to come back
+
+    @property
+    def ttft_s(self) -> float:
+        """From the arrival of the attempt that was served to its first token."""
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def start_wait_s(self) -> float:
+        """From the first attempt to the first token: what a start waited in all."""
+        first = self.arrival_s if self.first_arrival_s is None else self.first_arrival_s
+        return self.first_token_s - first
 
 
 @dataclass(slots=True)
@@ -75,6 +90,16 @@ class RunResult:
     round_latency_p99_s: float = 0.0
     rounds_done: int = 0
     kv_tokens_per_agent: float = 0.0  # KV stored (all tiers) per live agent, run average
+    # overload (docs/policy.md "Overload"): steps whose last attempt failed, steps retried,
+    # starts told to come back; TTFT of the steps of programs in flight (not their first),
+    # and what starts waited from their first attempt
+    failed_steps: int = 0
+    retried_steps: int = 0
+    refused_starts: int = 0
+    ttft_p99_inflight_s: float = 0.0
+    ttft_max_inflight_s: float = 0.0
+    start_wait_mean_s: float = 0.0
+    start_wait_p99_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -157,8 +182,11 @@ def summarize(
     kv_tokens_per_agent: float = 0.0,
 ) -> RunResult:
     """Reduce the steps of one run to the metrics of MORI 6.2."""
-    done = [r for r in records if r.ok and r.finish_s <= duration_s]
-    ttft = [r.first_token_s - r.arrival_s for r in done]
+    ended = [r for r in records if r.finish_s <= duration_s]
+    done = [r for r in ended if r.ok]
+    ttft = [r.ttft_s for r in done]
+    inflight = [r.ttft_s for r in done if not r.first]
+    starts = [r.start_wait_s for r in done if r.first]
     prompt = sum(r.input_tokens for r in done) or 1
     device = sum(r.cached_device for r in done)
     host = sum(r.cached_host for r in done)
@@ -190,5 +218,12 @@ def summarize(
         round_latency_p99_s=percentile(rounds, 99),
         rounds_done=len(rounds),
         kv_tokens_per_agent=kv_tokens_per_agent,
+        failed_steps=sum(not r.ok for r in ended),
+        retried_steps=sum(r.retries > 0 for r in ended),
+        refused_starts=sum(r.refusals > 0 for r in ended),
+        ttft_p99_inflight_s=percentile(inflight, 99),
+        ttft_max_inflight_s=max(inflight, default=0.0),
+        start_wait_mean_s=fmean(starts) if starts else 0.0,
+        start_wait_p99_s=percentile(starts, 99),
         extra=dict(extra or {}),
     )

@@ -44,11 +44,15 @@ POLICY_WORDS: dict[str, str] = {
     "smg": "SGLang-gateway-like cache-aware routing, no gate",
 }
 COLUMN_WORDS = (
-    "out tok/s and TTFT (time to first token) are on the trace clock, what a real-time run "
-    "would show; GPU KV use = mean share of the GPU KV budget held by running requests; "
+    "out tok/s (higher is better) and TTFT (time to first token, lower is better) are on the "
+    "trace clock, what a real-time run would show; GPU KV use = mean share of the GPU KV "
+    "budget held by running requests; "
     "device hit, miss = share of prompt tokens found in GPU KV, recomputed (the rest was "
     "loaded from host DRAM); churn = share of programs whose steps ran on more than one "
-    "replica; CPU ratio = host KV budget / GPU KV budget."
+    "replica; CPU ratio = host KV budget / GPU KV budget; in-flight TTFT = the steps of "
+    "programs that have run one; start wait = a program's first attempt to its first token "
+    "(times it was told to come back included); failed steps = steps the client gave up on "
+    "(the SDKs' two retries spent)."
 )
 
 # (field, header, format) of the main table (`--wide`); shares are printed as percentages.
@@ -65,6 +69,11 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("hit_host", "host\nhit", "{:.0%}"),
     ("miss", "miss", "{:.0%}"),
     ("churn", "churn", "{:.1%}"),
+    # overload: steps that failed (the gate's timeout, retried as the SDKs do), the TTFT of
+    # the steps of programs in flight, and what starts waited from their first attempt
+    ("failed_steps", "failed\nsteps", "{:d}"),
+    ("ttft_p99_inflight_s", "in-flight\nTTFT p99", "{:.1f}"),
+    ("start_wait_p99_s", "start s\nwait p99", "{:.1f}"),
     # multi-agent apps (tasks): end-to-end latency and abnormal agent instances
     ("app_e2e_mean_s", "app e2e s\nmean", "{:.1f}"),
     ("app_e2e_p99_s", "app e2e s\np99", "{:.1f}"),
@@ -74,22 +83,34 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("round_latency_p99_s", "round s\np99", "{:.2f}"),
     ("kv_tokens_per_agent", "KV per\nagent", "{:.0f}"),
 ]
-# The default table fits 80 columns: throughput, TTFT, KV use, where prompts were found, churn.
-NARROW = ("output_tok_s", "ttft_mean_s", "ttft_p99_s", "gpu_util", "hit_device", "miss", "churn")
+# The default table fits 80 columns: throughput, TTFT p99 of all steps and of the steps of
+# programs in flight, what starts waited, recomputed prompt tokens, failed steps (TTFT mean
+# is in the ratio table; KV use, hits and churn in `--wide`).
+NARROW = (
+    "output_tok_s", "ttft_p99_s", "ttft_p99_inflight_s", "start_wait_p99_s", "miss",
+    "failed_steps",
+)  # fmt: skip
 CELL_HEADERS = ("conc", "CPU\nratio")
 JSON_FIELDS = ["policy", "concurrency", "cpu_ratio"] + [c[0] for c in COLUMNS]
-# (ratio key, RunResult field, header) of MORI's ratios to each policy.
+# How each metric is printed, so that the plots' values read as the table's do.
+FORMATS = {field: fmt for field, _, fmt in COLUMNS}
+HIGHER, LOWER = "↑ higher better", "↓ lower better"
+# (ratio key, RunResult field, header, which way favours MORI) of MORI's ratios to each
+# policy: a ratio of a higher-is-better metric favours MORI above 1, of a lower-is-better
+# one below 1, and the header says which.
 RATIOS = (
-    ("throughput_ratio", "output_tok_s", "out tok/s"),
-    ("ttft_ratio", "ttft_mean_s", "TTFT mean"),
-    ("ttft_p99_ratio", "ttft_p99_s", "TTFT p99"),
+    ("throughput_ratio", "output_tok_s", "out tok/s", HIGHER),
+    ("ttft_ratio", "ttft_mean_s", "TTFT mean", LOWER),
+    ("ttft_p99_ratio", "ttft_p99_s", "TTFT p99", LOWER),
 )
 # (metric, axis label, file suffix) of the plots.
 PLOTS = (
-    ("output_tok_s", "output throughput (tok/s)", "throughput"),
-    ("ttft_mean_s", "mean TTFT (s)", "ttft"),
-    ("ttft_p99_s", "TTFT p99 (s)", "ttft-p99"),
+    ("output_tok_s", "output throughput (tok/s), higher is better", "throughput"),
+    ("ttft_mean_s", "mean TTFT (s), lower is better", "ttft"),
+    ("ttft_p99_s", "TTFT p99 (s), lower is better", "ttft-p99"),
 )
+# The waits of the two kinds of steps side by side: a program's next step, and a start.
+KINDS = (("ttft_p99_inflight_s", "in-flight step TTFT p99"), ("start_wait_p99_s", "start wait p99"))
 
 
 def console(stderr: bool = False) -> Console:
@@ -239,7 +260,7 @@ def ratios(results: list[RunResult], reference: str = REFERENCE) -> list[dict]:
             if name == reference:
                 continue
             row = {"concurrency": conc, "cpu_ratio": ratio, "versus": name, "seed": seed}
-            for key, metric, _ in RATIOS:
+            for key, metric, _, _ in RATIOS:
                 row[key] = _div(getattr(ref, metric), getattr(other, metric))
             out.append(row)
     return out
@@ -264,7 +285,7 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
     for (conc, ratio, versus), runs in by_pair.items():
         summary: dict = {"concurrency": conc, "cpu_ratio": ratio, "versus": versus}
         summary["runs"] = len(runs)
-        for key, _, _ in RATIOS:
+        for key, _, _, _ in RATIOS:
             values = [r[key] for r in runs if r[key] is not None]
             summary[key] = (
                 {"mean": fmean(values), "min": min(values), "max": max(values)} if values else None
@@ -291,14 +312,14 @@ def ratio_table(results: list[RunResult], reference: str = REFERENCE) -> Table |
     table = _table(title)
     shared = _constant(results)
     cell_headers = [h for h in CELL_HEADERS if h not in shared]
-    for header in [*cell_headers, "versus"] + [f"{h}\nratio" for _, _, h in RATIOS]:
+    for header in [*cell_headers, "versus"] + [f"{h} ratio\n{way}" for _, _, h, way in RATIOS]:
         table.add_column(header, justify="right")
     for row in rows:
         cell = {"conc": str(row["concurrency"]), "CPU\nratio": f"{row['cpu_ratio']:g}"}
         table.add_row(
             *(cell[h] for h in cell_headers),
             row["versus"],
-            *(_ratio_text(row[key]) for key, _, _ in RATIOS),
+            *(_ratio_text(row[key]) for key, _, _, _ in RATIOS),
         )
     return table
 
@@ -359,7 +380,42 @@ def plot(results: list[RunResult], path: Path, title: str = "") -> list[Path]:
             fig.savefig(out, dpi=150)
             plt.close(fig)
         written.append(out)
-    return written
+    return written + [_plot_kinds(results, path, title, plt)]
+
+
+def _plot_kinds(results: list[RunResult], path: Path, title: str, plt) -> Path:
+    """`<stem>-waits.png`: per policy, the TTFT p99 of steps of programs in flight beside
+    the p99 of what starts waited (from their first attempt), per CPU ratio and
+    concurrency: who waits under overload, a program mid-task or one not yet begun."""
+    agg = aggregate(results)
+    cells = sorted({_cell(r) for r in agg}, key=lambda c: (c[1], c[0]))
+    policies = sorted({r.policy for r in agg}, key=_policy_order)
+    by = {(r.policy, *_cell(r)): r for r in agg}
+    with plt.rc_context({"font.size": 12}):
+        fig, axes = plt.subplots(
+            1, len(cells), figsize=(7 * len(cells), 5), squeeze=False, sharey=True
+        )
+        width = 0.8 / len(KINDS)
+        for ax, cell in zip(axes[0], cells, strict=True):
+            names = [p for p in policies if (p, *cell) in by]
+            for k, (metric, label) in enumerate(KINDS):
+                values = [getattr(by[(p, *cell)], metric) for p in names]
+                xs = [i + (k - (len(KINDS) - 1) / 2) * width for i in range(len(names))]
+                bars = ax.bar(xs, values, width, label=label, color=f"C{k}")
+                ax.bar_label(bars, [FORMATS[metric].format(v) for v in values], padding=2)
+            ax.set_xticks(range(len(names)), names)
+            ax.set_title(f"{cell[0]} programs, CPU ratio {cell[1]:g}")
+            ax.grid(alpha=0.3, axis="y")
+            ax.margins(y=0.12)
+        axes[0][0].set_ylabel("seconds, lower is better")
+        axes[0][0].legend()
+        if title:
+            fig.suptitle(textwrap.fill(title, 28 * len(cells) + 20), fontsize=11)
+        fig.tight_layout()
+        out = path.with_name(f"{path.stem}-waits.png")
+        fig.savefig(out, dpi=150)
+        plt.close(fig)
+    return out
 
 
 def _spread(runs: list[RunResult], metric: str) -> tuple[float, float, float]:
@@ -382,7 +438,7 @@ def _lines(ax, panel: dict, policies: list[str], metric: str) -> None:
 
 def _bars(ax, panel: dict, policies: list[str], metric: str) -> None:
     """One concurrency only (a demo, a single live replay): a bar per policy, its value above
-    it; repeated runs draw their range as a whisker."""
+    it rounded as the table rounds it; repeated runs draw their range as a whisker."""
     by_policy = {k[0]: _spread(runs, metric) for k, runs in panel.items()}
     names = [p for p in policies if p in by_policy]
     means, lo, hi = zip(*(by_policy[p] for p in names), strict=True)
@@ -390,7 +446,7 @@ def _bars(ax, panel: dict, policies: list[str], metric: str) -> None:
     ax.bar(names, means, yerr=whiskers, capsize=6, color=[f"C{i}" for i in range(len(names))])
     for x, (mean, top) in enumerate(zip(means, hi, strict=True)):
         ax.annotate(
-            f"{mean:.3g}",
+            FORMATS[metric].format(mean),
             (x, mean + top),
             xytext=(0, 3),
             textcoords="offset points",
@@ -408,7 +464,7 @@ def _bars(ax, panel: dict, policies: list[str], metric: str) -> None:
 def write_reports(
     results: list[RunResult], json_path: str | Path, title: str = "", meta: dict | None = None
 ) -> list[Path]:
-    """JSON at `json_path`, a CSV next to it, and the three PNG plots; returns the paths."""
+    """JSON at `json_path`, a CSV next to it, and the four PNG plots; returns the paths."""
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     csv_path = json_path.with_suffix(".csv")

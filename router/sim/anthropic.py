@@ -1,4 +1,5 @@
-"""The emulator's Anthropic Messages API, shaped as SGLang 0.5.17 serves `/v1/messages`.
+"""The emulator's Anthropic Messages API, shaped as SGLang with the MORI plugin serves
+`/v1/messages` (0.5.17 and 0.5.23 alike).
 
 SGLang translates a Messages request into an OpenAI chat request, runs it, and translates
 the answer back (`sglang/srt/entrypoints/anthropic/serving.py`); the emulator does the
@@ -7,15 +8,19 @@ same, so what the router sees on the wire matches a real replica:
 - request: `model`, `messages` (role user/assistant/system, string or content blocks),
   `max_tokens` >= 1 are required; `system`, `tools` (`input_schema`), `tool_choice`
   (auto/any/tool/none), `stop_sequences`, `temperature`, `top_p`, `stream`, `metadata`
-  are read. Fields SGLang's model does not declare are dropped, `session_id` and `rid`
-  included: SGLang 0.5.17 cannot stamp an Anthropic request with a program or abort it.
+  are read. SGLang's request model drops every other field; the MORI plugin carries
+  SGLang's own request fields in CARRIED into the chat request (engine_patches/messages.py),
+  so a Messages request runs under the router's program (`session_id`), can be aborted
+  (`rid`), and can ask for exact lengths and the cache split, as a chat request can.
 - answer: `{"id": "msg_...", "type": "message", "role": "assistant", "content": [text,
   tool_use...], "model", "stop_reason" (end_turn, max_tokens, tool_use), "usage":
   {"input_tokens": prompt - cached, "cache_read_input_tokens": cached (when > 0),
-  "output_tokens"}}`.
+  "output_tokens"}}`, plus the chat answer's `sglext` (the device/host split) when the
+  request asked for it.
 - stream: `message_start` (input usage, output 0), `content_block_start` /
   `content_block_delta` (`text_delta`, `input_json_delta`) / `content_block_stop` per
-  block, `message_delta` (stop_reason, output usage), `message_stop`; no `ping` events.
+  block, `message_delta` (stop_reason, output usage, and `sglext` as above),
+  `message_stop`; no `ping` events.
 - errors: `{"type": "error", "error": {"type", "message"}}` with the HTTP status.
 """
 
@@ -26,9 +31,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from router.protocol.accounting import CACHE_DETAILS_FLAG
 from router.replay.prompts import CHARS_PER_TOKEN
 from router.wire.errors import ApiError
 
+# SGLang request fields the MORI plugin carries from a Messages request into its chat request.
+CARRIED = ("session_id", "rid", "ignore_eos", CACHE_DETAILS_FLAG)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ROLES = ("user", "assistant", "system")
 
@@ -71,7 +79,7 @@ def to_chat(body: Any) -> dict[str, Any]:
         out["tool_choice"] = choice
     if out["stream"]:
         out["stream_options"] = {"include_usage": True}
-    return out
+    return out | {name: body[name] for name in CARRIED if body.get(name) is not None}
 
 
 def _system_text(system: Any) -> str:
@@ -176,7 +184,7 @@ def message(chat: dict[str, Any]) -> dict[str, Any]:
         )
     u = chat["usage"]
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # left out at 0
-    return {
+    answer = {
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",
         "role": "assistant",
@@ -185,6 +193,7 @@ def message(chat: dict[str, Any]) -> dict[str, Any]:
         "stop_reason": STOP_REASONS.get(choice["finish_reason"], "end_turn"),
         "usage": usage(u["prompt_tokens"], cached, u["completion_tokens"]),
     }
+    return answer | ({"sglext": chat["sglext"]} if "sglext" in chat else {})
 
 
 def _args(fn: dict[str, Any]) -> dict[str, Any]:
@@ -203,11 +212,11 @@ async def stream(
     model: str,
     pieces: AsyncIterator[str],
     start_usage: Callable[[], dict[str, int]],
-    finish: Callable[[], tuple[list[dict[str, Any]], str]],
+    finish: Callable[[], tuple[list[dict[str, Any]], str, dict[str, Any]]],
 ) -> AsyncIterator[bytes]:
     """The Messages event stream of one answer. `pieces` yields "" at the first token, then
     the text as it is generated; `start_usage()` is read at the first token, `finish()`
-    (tool calls, OpenAI finish reason) after the last."""
+    (tool calls, OpenAI finish reason, the `sglext` field or nothing) after the last."""
     head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant"}
     index = chars = 0
     async for piece in pieces:
@@ -224,7 +233,7 @@ async def stream(
         yield event({"type": "content_block_delta", "index": 0, "delta": delta})
     if index == 1:
         yield event({"type": "content_block_stop", "index": 0})
-    calls, reason = finish()
+    calls, reason, ext = finish()
     for call in calls:
         fn = call["function"]
         block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
@@ -235,5 +244,5 @@ async def stream(
         index += 1
     output = {"output_tokens": chars // CHARS_PER_TOKEN}
     delta = {"stop_reason": STOP_REASONS.get(reason, "end_turn")}
-    yield event({"type": "message_delta", "delta": delta, "usage": output})
+    yield event({"type": "message_delta", "delta": delta, "usage": output, **ext})
     yield event({"type": "message_stop"})

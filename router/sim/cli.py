@@ -18,10 +18,10 @@ from pathlib import Path
 import yaml
 
 from router.policy import PolicyConfig, policy_names
+from router.presets import PRESETS, get_preset, price_summary
 from router.replay.records import RunResult
 from router.replay.trace import TraceError, TraceProgram, load_trace
 from router.sim.approx import ApproxReuse
-from router.sim.presets import PRESETS, get_preset, price_summary
 from router.sim.simulator import SimConfig, simulate
 
 

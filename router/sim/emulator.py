@@ -34,11 +34,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.policy.types import EngineMode, Hint
+from router.presets import PRESETS, get_preset, price_summary
 from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG
 from router.replay import prompts
 from router.sim import anthropic
 from router.sim import model as cost_model
-from router.sim.presets import PRESETS, get_preset, price_summary
 from router.wire.errors import ApiError
 
 log = logging.getLogger("mori.emulate")
@@ -348,8 +348,8 @@ class EmulatedReplica:
         scores: dict[str, float] | None = None,
         agents: dict[str, str] | None = None,
     ) -> dict:
-        if epoch < self.epoch:
-            return {"epoch": epoch, "stale": True, "residency": {}}
+        if epoch < self.epoch:  # a router that took over before the last one: refused
+            return {"epoch": self.epoch, "stale": True, "residency": {}}
         self.epoch = epoch
         typed = {pid: Hint(h) for pid, h in hints.items()}
         residency = self.engine.apply_hints(typed, self._clock(), full)
@@ -370,6 +370,7 @@ class EmulatedReplica:
             **self.engine.usage(),
             "device_active_token_seconds": self._active_area,
             "engine_time_s": self._area_t,
+            "epoch": self.epoch,
             "programs": self.engine.programs(),
             "anchor_scores": dict(self.engine.tree.scores),
         }
@@ -536,9 +537,9 @@ async def stream_messages(replica: EmulatedReplica, flight: Flight) -> AsyncIter
         cached = flight.cached_device + flight.cached_host
         return anthropic.usage(job.input_tokens, cached, 0)
 
-    def finish() -> tuple[list[dict], str]:
+    def finish() -> tuple[list[dict], str, dict]:
         calls = _tool_calls(job) if job.tool_call is not None and not flight.aborted else []
-        return calls, _finish_reason(flight)
+        return calls, _finish_reason(flight), _sglext(flight)
 
     try:
         async for event in anthropic.stream(
@@ -613,8 +614,8 @@ def create_app(replica: EmulatedReplica) -> FastAPI:
         return parse_job(body, chat, replica.info["model_path"])
 
     def messages_job(body: Any) -> Job:
-        """SGLang's view of a Messages request: its chat translation, without the fields
-        its model drops (`session_id`, `rid`: the program is the first message's hash)."""
+        """SGLang's view of a Messages request with the MORI plugin: its chat translation,
+        with the SGLang fields the plugin carries (the program is `session_id`, as on chat)."""
         return openai_job(anthropic.to_chat(body), chat=True)
 
     @app.post("/v1/chat/completions")

@@ -9,7 +9,7 @@ runs through it; a program's context is a *path* of nodes from the root. Nodes a
   is split where the child's prompt leaves it);
 - a **named prefix** (a prompt whose blocks the trace names, `SharedPrefix.chain`) is found
   wherever another program's context holds the same blocks from the start, through the
-  content-addressed segment index beside the tree (`router.sim.segments`), when that covers
+  content-addressed segment index kept with the tree (`SegmentIndex`), when that covers
   more of the prompt than the program's own cached context;
 - everything else is private: a program's new tokens extend its own last node in place when
   nobody else uses it, else start a new child node.
@@ -39,7 +39,6 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from router.policy.types import Hint
-from router.sim.segments import SegmentIndex
 
 # Eviction rank per hint: lower goes first, on both tiers (docs/policy.md, "Typed eviction").
 RANK = {Hint.INACTIVE: 0, Hint.IDLE: 1, Hint.BUSY: 2}
@@ -120,6 +119,7 @@ class Entry:
 
     path: list[Node] = field(default_factory=list)
     hint: Hint = Hint.BUSY
+    hinted: bool = False  # a router named the program in a hint (busy above is the default)
     agent: str | None = None  # agent role, as the router named it (scores key on it)
     running: str | None = None  # rid of the request holding the path on device
 
@@ -180,6 +180,7 @@ class KVTree:
     def set_hint(self, pid: str, hint: Hint) -> Entry:
         """Type a program (its segments' ranks follow)."""
         e = self.entry(pid)
+        e.hinted = True
         if hint is not e.hint:
             old, new = RANK[e.hint], RANK[hint]
             for node in e.path:
@@ -613,3 +614,84 @@ class KVTree:
             self._set_dev(node, node.dev + tokens)
             node.prefetched += tokens
             node.ready_at = max(node.ready_at, ready_at)
+
+
+class SegmentIndex:
+    """Chain id -> (node, end): where a prefix of that chain ends in one replica's tree.
+
+    A *chain* id names a prompt up to one of its named blocks (`router.sim.segments`), so a
+    request whose prompt starts with a prefix another program computed finds it even though
+    its own cached path does not hold it (the shared-first layout of an All-Gather round:
+    the gathered outputs first, then the private history). Kept lazily: an entry whose node
+    left the tree, or was cut short, is dead and dropped when met."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[Node, int]] = {}
+        self._of_node: dict[Node, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def longest(self, chain: tuple[tuple[str, int], ...], limit: int) -> tuple[list, int] | None:
+        """The path to the longest prefix of `chain` (ending at most at `limit`) held in the
+        tree, with its end: (nodes from the root, end offset), or None."""
+        for chain_id, end in reversed(chain):
+            if end > limit:
+                continue
+            entry = self._at.get(chain_id)
+            if entry is None:
+                continue
+            path = _path_to(entry[0], end)
+            if path is not None:
+                return path, end
+            self._drop_entry(chain_id)
+        return None
+
+    def register(self, chain: tuple[tuple[str, int], ...], path: list) -> None:
+        """Note where each prefix of `chain` ends along `path` (the nodes of a context
+        that starts with it); entries still alive are kept."""
+        starts, pos = [], 0
+        for node in path:
+            starts.append(pos)
+            pos += node.length
+        i = 0
+        for chain_id, end in chain:
+            if end > pos:
+                return
+            entry = self._at.get(chain_id)
+            if entry is not None and _path_to(entry[0], end) is not None:
+                continue
+            while starts[i] + path[i].length < end:
+                i += 1
+            node = path[i]
+            self._at[chain_id] = (node, end)
+            self._of_node.setdefault(node, []).append(chain_id)
+
+    def drop(self, node: Node) -> None:
+        """`node` left the tree: prefixes that ended in it are gone."""
+        for chain_id in self._of_node.pop(node, ()):
+            entry = self._at.get(chain_id)
+            if entry is not None and entry[0] is node:
+                del self._at[chain_id]
+
+    def _drop_entry(self, chain_id: str) -> None:
+        node, _ = self._at.pop(chain_id)
+        ids = self._of_node.get(node)
+        if ids is not None and chain_id in ids:
+            ids.remove(chain_id)
+
+
+def _path_to(node: Node, end: int) -> list | None:
+    """The nodes from the root to the one holding offset `end` (the prefix ends inside or
+    at the end of it), walking up from `node` (a split moves a prefix's end into an
+    ancestor); None if the tree no longer holds that many tokens there."""
+    chain = [node]
+    while chain[-1].parent is not None:
+        chain.append(chain[-1].parent)
+    chain.reverse()
+    pos = 0
+    for i, n in enumerate(chain):
+        if pos < end <= pos + n.length:
+            return chain[: i + 1]
+        pos += n.length
+    return None

@@ -81,8 +81,8 @@ import math
 from dataclasses import dataclass, field
 
 from router.policy.types import EngineMode, Hint
+from router.presets import Preset
 from router.sim.kv_tree import RANK, KVTree, Node, SharedPrefix
-from router.sim.presets import Preset
 
 __all__ = ["CostModel", "Done", "FirstToken", "ReplicaEngine", "SharedPrefix"]
 
@@ -429,11 +429,17 @@ class ReplicaEngine:
         }
 
     def programs(self) -> dict[str, dict]:
-        """Residency and hint of every program with KV here (for /mori/residency)."""
+        """Residency and hint of every program with KV here (for /mori/residency);
+        `hinted`: a router named the program (its hint is not just the default)."""
         out = {}
         for pid, e in self.tree.entries.items():
             dev, host = self.tree.residency(pid)
-            out[pid] = {"hint": e.hint.value, "device_tokens": dev, "host_tokens": host}
+            out[pid] = {
+                "hint": e.hint.value,
+                "hinted": e.hinted,
+                "device_tokens": dev,
+                "host_tokens": host,
+            }
         return out
 
     # engine loop ------------------------------------------------------------------------

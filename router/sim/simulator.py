@@ -36,13 +36,14 @@ from statistics import fmean
 from kernels.costs import restore_cost
 from router.policy import Policy, PolicyConfig, make_policy
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities, PushScores, Warm
-from router.policy.types import ReplicaCapacity
+from router.policy.types import ReplicaCapacity, Segment
+from router.presets import Preset, get_preset
 from router.replay.corpus import ClosedLoopCorpus, HandOffs
 from router.replay.records import RunResult, StepRecord, summarize
+from router.replay.retries import MAX_RETRIES, ClientRetries
 from router.replay.trace import TraceProgram, TraceStep
 from router.sim.approx import ApproxReuse, ApproxStore
 from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine, SharedPrefix
-from router.sim.presets import Preset, get_preset
 from router.sim.segments import PromptBlocks
 
 
@@ -74,6 +75,10 @@ class SimConfig:
     # TokenDance's approximate reuse of gathered blocks, modelled (router.sim.approx); None:
     # exact, what SGLang does
     approx: ApproxReuse | None = None
+    # the live gate: a request held this long is answered 503 and the client retries as
+    # the SDKs do (router.replay.retries), `client_retries` times before the step fails
+    gate_timeout_s: float = 300.0
+    client_retries: int = MAX_RETRIES
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # fail early with the list of known presets
@@ -86,6 +91,8 @@ class SimConfig:
             "start_jitter_s": self.start_jitter_s >= 0,
             "gpu_tokens": self.gpu_tokens is None or self.gpu_tokens > 0,
             "arrival_rate": self.arrival_rate is None or self.arrival_rate > 0,
+            "gate_timeout_s": self.gate_timeout_s > 0,
+            "client_retries": self.client_retries >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -105,6 +112,10 @@ class _Client:
     parent: str | None = None  # pid of the parent instance (subagents)
     session: str = ""  # pid of the root instance: the task a subagent works on
     step: int = 0
+    first_arrival: float | None = None  # the current step's first attempt
+    retries: int = 0  # the current step's attempts repeated after a gate timeout
+    refusals: int = 0  # times the current step (a start) was told to come back
+    prompt: tuple[Segment, ...] = ()  # the current step's named blocks (kept for retries)
 
 
 @dataclass(slots=True)
@@ -120,7 +131,8 @@ class _Request:
 
 
 # event kinds, ordered so that at equal times engines finish before clients act
-_ENGINE, _TICK, _ARRIVE, _SPAWN, _WAKE = range(5)
+_ENGINE, _TICK, _ARRIVE, _SPAWN, _WAKE, _TIMEOUT = range(6)
+GATE_RETRY_AFTER_S = 5.0  # the Retry-After of the gate's 503 (the router's tick, 5 s)
 DRAIN_X = 1.0  # open loop: the run may go on this x duration_s for the last tasks to finish
 
 
@@ -163,6 +175,8 @@ class Simulation:
         # graph-aware policies (mori+space): apps register their graph when first seen
         self._register = getattr(self.policy, "register_app", None) if config.app_graphs else None
         self.apps: set[str] = set()
+        self.retries = ClientRetries(config.client_retries)
+        self._retry_rng = random.Random(f"retries-{config.seed}")  # the corpus' stream stays
 
     def _build_policy_and_engines(self) -> None:
         cfg = self.config
@@ -170,6 +184,7 @@ class Simulation:
             "load_s_per_token": self.preset.kv_bytes_per_token / self.preset.pcie_bytes_s,
             "prefill_s_per_token": prefill_s_per_token(self.preset),
             "attention_tokens": self.preset.attention_tokens,
+            "gate_timeout_s": cfg.gate_timeout_s,
         }
         pc.update(cfg.policy_config)
         self.policy: Policy = make_policy(cfg.policy, PolicyConfig(**pc))
@@ -236,6 +251,8 @@ class Simulation:
                     self._policy_call(self.policy.tick(t))
             elif kind == _ARRIVE:
                 self._on_arrive(payload)  # type: ignore[arg-type]
+            elif kind == _TIMEOUT:
+                self._on_gate_timeout(payload)  # type: ignore[arg-type]
             else:
                 self._start_client(payload)  # type: ignore[arg-type]
             if progress is not None and t >= next_report:
@@ -274,7 +291,6 @@ class Simulation:
             "held_max_wait_s": round(
                 max((end - r.arrival for r in self.gated.values()), default=0.0), 3
             ),
-            "failed_steps": sum(not r.ok for r in self.records),
             **self._approx_stats(),
             "sim_wall_s": round(wall, 3),
         }
@@ -370,6 +386,9 @@ class Simulation:
     def _on_arrive(self, client: _Client) -> None:
         step = client.program.steps[client.step]
         req = _Request(client, f"q{next(self.rids)}", self.now, step)
+        again = client.first_arrival is not None  # a retry of the same step
+        if not again:
+            client.first_arrival = self.now
         if self._observe is not None:  # policies on the agent runtime layer (CacheSage)
             program = client.program
             self._observe(
@@ -384,19 +403,27 @@ class Simulation:
                 )
             )
         round_id = f"{client.session}/{step.round}" if step.round else None
-        segments = self.blocks.advance(client.pid, client.program, step, client.session)
-        if self.approx is not None:
-            self.approx.arrive(client.pid, segments, step.reused_tokens)
+        if not again:
+            client.prompt = self.blocks.advance(client.pid, client.program, step, client.session)
+            if self.approx is not None:
+                self.approx.arrive(client.pid, client.prompt, step.reused_tokens)
+        segments = client.prompt
         self.policy.on_prompt(client.pid, segments, round_id)
-        self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
         self.gated[client.pid] = req
+        self._push(self.now + self.config.gate_timeout_s, _TIMEOUT, req)
+        self._policy_call(self.policy.on_request(client.pid, self.now, step.input_tokens))
         self._release_gated()
 
     def _release_gated(self) -> None:
-        """Forward every held request whose program the policy now routes."""
+        """Forward every held request whose program the policy now routes; answer those
+        it refuses (a start its door cannot let in before the gate's timeout)."""
         for pid in list(self.gated):
             replica = self.policy.route(pid)
-            if replica is not None:
+            if replica is None:
+                retry_after = self.policy.refusal(pid)
+                if retry_after is not None:
+                    self._refuse(self.gated.pop(pid), retry_after)
+            else:
                 req = self.gated.pop(pid)
                 req.replica = replica
                 req.forwarded = self.now
@@ -497,27 +524,65 @@ class Simulation:
                 req.replica, st.input_tokens, *req.cached, first - req.forwarded,
                 st.output_tokens, ev.t - first,
             )  # fmt: skip
+        self._record(req, first, ev.t, ev.ok)
+        usage = st.input_tokens + st.output_tokens if ev.ok else None
+        self._policy_call(self.policy.on_response(client.pid, self.now, usage))
+        self._next_step(client)
+
+    def _record(self, req: _Request, first_token: float, finish: float, ok: bool) -> None:
+        """The step as its client saw it (the attempt that was served, or the last one)."""
+        st, client = req.step, req.client
         self.records.append(
             StepRecord(
                 program_id=client.pid,
                 replica=req.replica,
                 arrival_s=req.arrival,
-                first_token_s=first,
-                finish_s=ev.t,
+                first_token_s=first_token,
+                finish_s=finish,
                 input_tokens=st.input_tokens,
-                output_tokens=st.output_tokens if ev.ok else 0,
+                output_tokens=st.output_tokens if ok else 0,
                 cached_device=req.cached[0],
                 cached_host=req.cached[1],
-                ok=ev.ok,
+                ok=ok,
                 session=client.session,
                 agent=client.program.agent,
                 last=client.step + 1 == len(client.program.steps),
                 round=f"{client.session}/{st.round}" if st.round else None,
+                first=client.step == 0,
+                first_arrival_s=client.first_arrival,
+                retries=client.retries,
+                refusals=client.refusals,
             )
         )
-        usage = st.input_tokens + st.output_tokens if ev.ok else None
-        self._policy_call(self.policy.on_response(client.pid, self.now, usage))
-        program = client.program
+        client.first_arrival, client.retries, client.refusals = None, 0, 0
+
+    def _refuse(self, req: _Request, retry_after: float) -> None:
+        """The door refused a start: the client comes back when told (no retry limit)."""
+        client = req.client
+        self.policy.cancel(client.pid, self.now)  # moves nobody (a pass over the gate runs)
+        client.refusals += 1
+        self._push(self.now + retry_after, _ARRIVE, client)
+
+    def _on_gate_timeout(self, req: _Request) -> None:
+        """The live gate answers a request held `gate_timeout_s` with 503; the client
+        retries as the SDKs do, and the step fails once they give up."""
+        client = req.client
+        if self.gated.get(client.pid) is not req:
+            return  # forwarded, refused or retried since
+        del self.gated[client.pid]
+        self._policy_call(self.policy.cancel(client.pid, self.now))
+        delay = self.retries.delay_s(client.retries, GATE_RETRY_AFTER_S, self._retry_rng)
+        if delay is not None:
+            client.retries += 1
+            self._push(self.now + delay, _ARRIVE, client)
+            return
+        self._record(req, self.now, self.now, ok=False)
+        self._next_step(client)
+
+    def _next_step(self, client: _Client) -> None:
+        """After a step ended (answered or failed): hand-overs, then the tool call and the
+        next step, or the program's end."""
+        st, program = client.program.steps[client.step], client.program
         for waiter in self.handoffs.finish(client.session, program.program_id, client.step):
             self._send_when_ready(waiter)
         client.step += 1

@@ -1,0 +1,143 @@
+"""The two wire APIs a replay speaks, each with its own SDK: OpenAI chat completions and
+Anthropic Messages (what Claude Code speaks).
+
+One step is the same request either way: the conversation so far, exactly `max_tokens`
+answer tokens (SGLang's `ignore_eos`), SGLang's device/host split of the cached prompt
+(`return_cached_tokens_details`), streamed. The program id rides where each API's clients
+put it: the body's `program_id` on chat, `metadata.user_id` on Messages (the router reads
+both, docs/router.md "Program identity"). Leading system messages become Messages'
+`system`, so an engine renders the same prompt from both (SGLang puts `system` first as a
+system message). Each call fills an `Answer` as the stream goes, so a failure half-way
+still says which replica served it and what arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+
+from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, anthropic_doc, openai_usage
+
+API_NAMES = ("openai", "anthropic")
+# The HTTP library under the Anthropic SDK (httpx in older releases, httpx2 in newer ones,
+# which refuse an httpx client): a transport failure mid-stream surfaces as its error.
+_SDK_HTTP = sys.modules[anthropic.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0]]
+ERRORS = (openai.OpenAIError, anthropic.AnthropicError, httpx.HTTPError, _SDK_HTTP.HTTPError)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One step's request, API-neutral."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    program: str | None  # None: the request names no program (a harness's header may)
+    headers: dict[str, str]
+
+
+@dataclass
+class Answer:
+    """What the streamed answer brought so far."""
+
+    replica: str | None = None  # the router's x-mori-replica header
+    routed: str | None = None  # the program the router filed it under (x-mori-program-id)
+    first: float | None = None  # trace time of the first content token
+    parts: list[str] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+
+    def add(self, text: str, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        self.parts.append(text)
+
+
+Send = Callable[[Answer, Call], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def sender(
+    api: str, chat: openai.AsyncOpenAI, key: str, timeout_s: float, now: Callable[[], float]
+) -> AsyncIterator[Send]:
+    """The `Send` of API `api`: on the OpenAI client `chat`, or on an Anthropic client of
+    the same server (its own HTTP client: the SDK may stand on another HTTP library)."""
+    if api == "openai":
+        yield lambda answer, call: _openai(chat, now, answer, call)
+        return
+    async with anthropic.AsyncAnthropic(
+        base_url=str(chat.base_url).rstrip("/").removesuffix("/v1"),
+        api_key=key,
+        timeout=timeout_s,
+        max_retries=0,
+        http_client=anthropic.DefaultAsyncHttpxClient(trust_env=False),
+    ) as messages:
+        yield lambda answer, call: _anthropic(messages, now, answer, call)
+
+
+async def _openai(
+    client: openai.AsyncOpenAI, now: Callable[[], float], answer: Answer, call: Call
+) -> None:
+    raw = await client.chat.completions.with_raw_response.create(
+        model=call.model,
+        messages=call.messages,  # type: ignore[arg-type]
+        max_tokens=call.max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={
+            "ignore_eos": True,
+            CACHE_DETAILS_FLAG: True,
+            **({"program_id": call.program} if call.program else {}),
+        },
+        extra_headers=call.headers,
+    )
+    _answered(answer, raw.headers)
+    async for chunk in raw.parse():
+        if chunk.choices and chunk.choices[0].delta.content:
+            answer.add(chunk.choices[0].delta.content, now())
+        if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
+            openai_usage(chunk.to_dict(), answer.usage)
+
+
+async def _anthropic(
+    client: anthropic.AsyncAnthropic, now: Callable[[], float], answer: Answer, call: Call
+) -> None:
+    system, turns = split_system(call.messages)
+    raw = await client.messages.with_raw_response.create(
+        model=call.model,
+        messages=turns,  # type: ignore[arg-type]
+        max_tokens=call.max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True, CACHE_DETAILS_FLAG: True},
+        extra_headers=call.headers,
+        **({"system": system} if system else {}),
+        **({"metadata": {"user_id": call.program}} if call.program else {}),
+    )
+    _answered(answer, raw.headers)
+    async for event in await raw.parse():
+        if event.type == "content_block_delta" and event.delta.type == "text_delta":
+            if event.delta.text:
+                answer.add(event.delta.text, now())
+        elif event.type in ("message_start", "message_delta"):
+            anthropic_doc(event.to_dict(), answer.usage)
+
+
+def _answered(answer: Answer, headers: Any) -> None:
+    """What the router's answer headers say: the replica, and the program it filed it under."""
+    answer.replica = headers.get("x-mori-replica")
+    answer.routed = headers.get("x-mori-program-id")
+
+
+def split_system(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """Messages' `system` (the leading system messages' text) and the other turns."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") == "system":
+        lead += 1
+    system = "\n".join(str(m.get("content") or "") for m in messages[:lead])
+    return system, messages[lead:]
