@@ -344,6 +344,23 @@ ROUND_MEMBER_LEAVES_HOME = [
 ]  # fmt: skip
 
 
+# mori's door, found by the search: p0 comes back (ended, a new start) sharing a segment
+# with p1 on r2, shrunk to 201 tokens; the start swaps p1 out, and with p1 goes the
+# segment that made p0's 202 tokens fit
+START_LOSES_ITS_SHARED_SEGMENT = [
+    _A, ("tick",), _A, ("act", 3, 0, 0), *[("tick",)] * 11, ("end", 0), ("act", 2, 0, 0),
+    ("end", 2), ("act", 4, 0, 0), ("act", 1, 0, 1), ("act", 2, 0, 0), ("act", 5, 0, 0),
+    ("cap", "r2", 201, 0),
+]  # fmt: skip
+# ... and a step's end must lower its load share before the door's pass, not after: p2, a
+# start held at the door, fits once p0's step ends
+DOOR_AFTER_THE_STEP = [
+    _A, ("tick",), _A, ("act", 3, 0, 0), *[("tick",)] * 10, ("cancel", 0), ("tick",),
+    ("act", 0, 0, 1), ("end", 2), ("act", 4, 0, 0), ("act", 5, 0, 1), ("cap", "r2", 250, 0),
+    ("act", 1, 0, 0), ("act", 2, 0, 0),
+]  # fmt: skip
+
+
 def _at_once(events: list[tuple]) -> list[tuple]:
     """Events that all come at the start (the clock does not move)."""
     return [(0.0, e) for e in events]
@@ -359,6 +376,19 @@ def _at_once(events: list[tuple]) -> list[tuple]:
 @example(events=[*_at_once(JOINED_ROUND_LEAVES_HOME), (10.0, ("act", 7, 0, 2))])
 @example(events=_at_once(HELD_ON_A_SHRUNK_GPU))
 @example(events=_at_once(ROUND_MEMBER_LEAVES_HOME))
+@example(
+    events=[
+        *_at_once(START_LOSES_ITS_SHARED_SEGMENT), (3.0, ("act", 1, 0, 0)), (0.0, ("tick",)),
+        (5.0, ("act", 0, 52, 1)), *_at_once([_A, _A, _A, ("tick",)]),
+    ]
+)  # fmt: skip
+@example(
+    events=[
+        *_at_once(DOOR_AFTER_THE_STEP), (15.0, ("act", 5, 0, 0)), (6.0, ("tick",)),
+        (0.0, ("act", 1, 0, 0)), (9.0, ("act", 0, 148, 1)), (2.0, ("act", 1, 0, 0)),
+        (3.0, _A), (0.0, _A),
+    ]
+)  # fmt: skip
 def test_invariants_hold_with_shared_segments(name: str, events) -> None:
     play(make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0)), events, sharing=True)
 
