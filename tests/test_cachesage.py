@@ -23,6 +23,7 @@ from router.replay.generators import generate, load_preset
 from router.sim.simulator import SimConfig, Simulation
 
 CHAIN = ["A", "B", "C"]
+CHAIN6 = ["A", "B", "C", "D", "E", "F"]
 
 
 def play(learner: TransitionLearner, session: str, agents: list[str], loop: int = 1) -> None:
@@ -109,6 +110,24 @@ def test_no_scores_and_no_warm_ups_before_the_structure_is_learnt():
     assert not [a for a in actions if isinstance(a, Warm)]
 
 
+def test_scores_scored_before_the_push_still_go_out():
+    """The policy may score an item (a placement, a hint ranking) between the learner's
+    move and `act`: the engine must still get the new scores at that push."""
+    cs = cachesage_on()
+    now = 0.0
+    for s in [*range(20), "live"]:  # no anchors: no warm-ups to push either
+        for agent in CHAIN6 * (3 if s != "live" else 1):
+            now += 1
+            cs.observe(request(f"t{s}", f"t{s}", "selector", now))
+            cs.observe(request(f"t{s}.{agent}", f"t{s}", agent, now))
+    cs.act(now)  # drained: every program's agent and the scores went out
+    cs.observe(request("tlive", "tlive", "selector", now + 1))
+    cs.observe(request("tlive.A", "tlive", "A", now + 1))  # A's turn again: scores move
+    cs.score(Item(ItemKind.ANCHOR, "E"))
+    pushed = [a for a in cs.act(now + 1) if isinstance(a, PushScores)]
+    assert pushed and pushed[0].scores == cs.survival()
+
+
 def test_weak_structure_falls_back_to_lru():
     cs = cachesage_on()
     noise = ["A", "A", "B", "B", "C", "C", "A", "C", "B", "A", "B", "C"]
@@ -124,7 +143,7 @@ def test_weak_structure_falls_back_to_lru():
 
 def test_scores_rank_the_predicted_next_agent_and_warm_ups_target_it():
     cs = cachesage_on()
-    now = feed(cs, 20, ["A", "B", "C", "D", "E", "F"])
+    now = feed(cs, 20, CHAIN6)
     cs.act(now)  # drain
     cs.observe(request("live", "live", "selector", now + 1))
     cs.observe(request("live.A", "live", "A", now + 1, anchor=1000))

@@ -7,6 +7,7 @@ The same pair behind a real HAProxy, with kill -9 under load: tests/test_ha_prox
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 
@@ -14,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from router.config import load_config
+from router.owner.controller import Router
 from router.owner.leadership import TERM_SHIFT, epoch_above
 from tests.router_harness import chat, client, emulators, metric, programs, router
 
@@ -109,3 +112,32 @@ def test_a_fenced_router_answers_its_held_requests_503():
             assert refused.value.body["code"] == "router_standby"
             assert time.monotonic() - started < 5  # the next full sync (1 s), not 30 s
             assert programs(a)["gate"] == {"waiting": 0, "turns": 0}
+
+
+async def test_its_own_batches_never_fence_a_router():
+    """Two of one router's hint batches in flight at once (the hint loop's and a rejoin's
+    full sync, or a warm-up's): the first is slow on the wire. Sent concurrently, the
+    second would reach the replica first and the first be refused as stale, so the router
+    would stand down as if another had taken over (and start from a fresh policy at the
+    next request). Its batches go one at a time, in epoch order."""
+    with emulators(1, "--time-scale", "20") as (url,):
+        live = Router(load_config(None, {"replicas": [url], "tick_s": 600}, env={}))
+        replica = live.replicas[url]
+        await live.start()
+        try:
+            assert live.active
+            push, slow = replica.push_hints, [True]
+
+            async def slow_first(*args, **kwargs):  # the real push, the first one late
+                if slow.pop() if slow else False:
+                    await asyncio.sleep(0.3)
+                return await push(*args, **kwargs)
+
+            replica.push_hints = slow_first
+            first = asyncio.create_task(live.sync_hints(full=True))
+            await asyncio.sleep(0.1)  # its batch is on the wire
+            await asyncio.gather(first, live.sync_hints(full=True))
+            assert live.active
+            assert live.metrics.hint_pushes.labels(url, "stale")._value.get() == 0
+        finally:
+            await live.stop()

@@ -74,6 +74,10 @@ class Router:
         # freshly promoted program waits for before its request is forwarded.
         self._rounds_started = self._rounds_done = 0
         self._fenced = False  # a replica refused a batch of this term
+        # One hint batch in flight at a time, so this router's batches reach each replica in
+        # epoch order: a later one overtaking an earlier one (the hint loop's and a warm-up's,
+        # a rejoin's full sync) would get the earlier refused as another router's.
+        self._pushing = asyncio.Lock()
         self._rounds = asyncio.Condition()
         self._ack_round: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
@@ -232,8 +236,10 @@ class Router:
             )
             outcome = "ok" if status == 200 else f"http_{status}"
             if status == 200 and replica.hints_supported and self.active:
-                self.epoch += 1
-                answer = await replica.push_hints(self.epoch, {program_id: Hint.INACTIVE}, False)
+                async with self._pushing:
+                    self.epoch += 1
+                    batch = {program_id: Hint.INACTIVE}
+                    answer = await replica.push_hints(self.epoch, batch, False)
                 if refused(answer):
                     self.step_down(replica.url, answer)
         except (UpstreamError, ValueError, HintsUnsupported) as e:
@@ -629,7 +635,8 @@ class Router:
         self._rounds_started += 1
         round_no = self._rounds_started
         try:
-            await self._sync_hints(full)
+            async with self._pushing:
+                await self._sync_hints(full)
         finally:
             async with self._rounds:
                 self._rounds_done = max(self._rounds_done, round_no)

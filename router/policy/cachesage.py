@@ -74,7 +74,9 @@ class CacheSage(RuntimeComponent):
         self._warms: list[Warm] = []
         self._scores: dict[str, float] = {}  # last computed
         self._pushed: dict[str, float] | None = None
-        self._scored_epoch = -1
+        self._scored_epoch = -1  # the learner's epoch `_scores` were computed at
+        self._acted_epoch = -1  # ... and the one `act` last looked at (scoring an item
+        # in between, for a placement or a hint, must not hide new scores from the push)
 
     @property
     def active(self) -> bool:
@@ -189,8 +191,9 @@ class CacheSage(RuntimeComponent):
 
     # act ---------------------------------------------------------------------------------
     def act(self, now: float) -> list[Action]:
-        if not (self._warms or self._unpushed) and self._scored_epoch == self.learner.epoch:
+        if not (self._warms or self._unpushed) and self._acted_epoch == self.learner.epoch:
             return []  # nothing new since the last call (the common case, on every event)
+        self._acted_epoch = self.learner.epoch
         actions: list[Action] = []
         scores = self.survival()
         moved = self._pushed is None or _moved(self._pushed, scores)

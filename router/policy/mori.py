@@ -279,8 +279,8 @@ class MoriPolicy(PricedPolicy):
             if need <= free[r]:
                 free[r] -= need
                 return [self._move(p, gpu, MoveReason.PROMOTE_NEW, now)]
-        for r in order:
-            missing = self.tiers.need(p, Placement(Tier.GPU, r)) - free[r]
+        for r in order:  # its whole context: a segment it would share may leave with a victim
+            missing = p.context_tokens - free[r]
             victims = self._victims.take(r, FRESH, missing, now)
             if victims:
                 return self._swap_in(p, r, victims, free, now)
@@ -385,19 +385,6 @@ class MoriPolicy(PricedPolicy):
             return []
         return [self._move(p, gpu, MoveReason.PROMOTE_CPU, now)]
 
-    def on_response(
-        self, program_id: str, now: float, context_tokens: int | None = None
-    ) -> list[Move]:
-        moves = super().on_response(program_id, now, context_tokens)
-        p = self.programs.get(program_id)
-        if p is not None and p.status is Status.ACTING:
-            self._context_sum[program_id] = self._context_sum.get(program_id, 0) + p.context_tokens
-            if self._load is not None and p.last_replica is not None:
-                self._count_load(p, p.last_replica, now)
-            a = self.config.ewma_alpha
-            self.step_s = a * p.reasoning_s + (1 - a) * self.step_s
-        return moves
-
     def on_request(
         self, program_id: str, now: float, context_tokens: int | None = None
     ) -> list[Move]:
@@ -420,7 +407,14 @@ class MoriPolicy(PricedPolicy):
         return moves + self._predictive_promotions(now) if moves else moves
 
     def _after_response(self, p: Program, now: float) -> list[Move]:
-        """Room a step freed goes to the gate first (MORI), then to due predictions."""
+        """Room a step freed goes to the gate first (MORI), then to due predictions. The
+        step's own figures (its context for the life mean, its load share, the step time)
+        are counted first: the gate's pass lets starts in against the load as it is now."""
+        self._context_sum[p.program_id] = self._context_sum.get(p.program_id, 0) + p.context_tokens
+        if self._load is not None and p.last_replica is not None:
+            self._count_load(p, p.last_replica, now)
+        a = self.config.ewma_alpha
+        self.step_s = a * p.reasoning_s + (1 - a) * self.step_s
         return super()._after_response(p, now) + self._predictive_promotions(now)
 
     def tick(self, now: float) -> list[Move]:

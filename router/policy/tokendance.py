@@ -13,9 +13,10 @@ explicit round id, or inferred from the prompt's new contents) with two or more 
 * **Co-placement, priced as a unit**: the round needs the sum of its members' contexts
   with the segments they share counted once (and those already on the replica not at
   all). Members with KV on a replica (its GPU or CPU tier) stay there (moving them costs a
-  recompute that sharing a prompt's start never pays back); members without (new ones,
-  WAITING) go to the replica holding most of the round when it fits there, else to the
-  one where the round's need fits tightest.
+  recompute that sharing a prompt's start never pays back; placed one by one, a CPU-tier
+  member leaves its replica only once that shrank below it);
+  members without (new ones, WAITING) go to the replica holding most of the round when it
+  fits there, else to the one where the round's need fits tightest.
 * **Round-level FIFO with yielding**: ready rounds are served oldest first. A round that
   does not fit may take room held by ACTING programs that are in no running round
   (farthest expected return first); once it has waited `round_yield_x` x the rounds'
@@ -87,16 +88,18 @@ class TokenDancePolicy(MoriPolicy):
 
     # events ------------------------------------------------------------------------------
     def _admit(self, p: Program, now: float) -> list[Move]:
+        """Every arrival runs both passes, MORI's and the collective one: time has passed,
+        so a held request may leave its replica (ski rental) or a round's wait may be up."""
         rnd = self.rounds.round_of(p.program_id)
         if rnd is None or not self._collective(rnd):
-            return super()._admit(p, now)
+            return super()._admit(p, now) + self._schedule(now)
         if rnd.round_id not in self._held_rounds:
             self._note_gap(p.program_id, now)
         held = self._held_rounds.setdefault(rnd.round_id, _Held(now, now))
         held.last_s = now
         held.pids[p.program_id] = None
         self._gang[p.program_id] = rnd.round_id
-        return self._schedule(now)
+        return self._promote(now) + self._schedule(now)
 
     def _note_gap(self, program_id: str, now: float) -> None:
         """A round opens: the time since its agents' previous round ended is one more sample
@@ -144,12 +147,36 @@ class TokenDancePolicy(MoriPolicy):
                 del book[round_id]
         return moves + self._schedule(now)
 
+    def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
+        """A drained replica's round members are re-placed at once too (a recovery is a
+        rebalance, which runs the collective pass)."""
+        moves = super().set_healthy(replica, healthy, now)
+        return moves if healthy else moves + self._schedule(now)
+
     def cancel(self, program_id: str, now: float) -> list[Move]:
         self._gang.pop(program_id, None)
         return super().cancel(program_id, now)
 
     def _rebalance(self, now: float) -> list[Move]:
         return super()._rebalance(now) + self._schedule(now)
+
+    def _demote(self, replica: str | None, now: float) -> list[Move]:
+        """MORI's demotion, then, while GPU(replica) is still over budget, round members
+        held on it: MORI passes over them (neither acting nor reasoning), and held, they
+        run no step, so they move now and wait for their round on the CPU tier."""
+        moves = super()._demote(replica, now)
+        if replica is None:
+            return moves
+        gpu = Placement(Tier.GPU, replica)
+        excess = self.tiers.used(gpu) - self.pending_lazy_tokens(replica) - self.tiers.budget(gpu)
+        held = [q for q in self.tiers.members(gpu) if q.pending and q.program_id in self._gang]
+        cpu = Placement(Tier.CPU, replica)
+        for q in sorted(held, key=self._ranking(now), reverse=True):
+            if excess <= 0:
+                break
+            excess -= self.tiers.freed_by(q)
+            moves.append(self._move(q, self._fit_or_waiting(cpu, q), MoveReason.DEMOTE, now))
+        return moves
 
     def next_wakeup(self, now: float) -> float | None:
         """Also when a held round's wait for its missing members is up."""
@@ -258,9 +285,9 @@ class TokenDancePolicy(MoriPolicy):
         """Where the round's members that need room go. Together when the round shares
         enough of its prompts to pay (`_shares_enough`): onto the replica holding most of
         the round, else the tightest fit for all of them, else the roomiest. Otherwise each
-        as MORI places it: its host KV's replica, else its last replica if it fits, else
-        the roomiest (co-placing a round that shares little only piles its load onto one
-        replica)."""
+        as MORI places it: its host KV's replica (`_away`: another if it shrank below it),
+        else its last replica if it fits, else the roomiest (co-placing a round that shares
+        little only piles its load onto one replica)."""
         replicas = [r for r in self.tiers.replicas() if r not in blocked]
         if not movable or not replicas:
             return {}
@@ -273,7 +300,8 @@ class TokenDancePolicy(MoriPolicy):
         agents = {r: self.tiers.count(Placement(Tier.GPU, r)) for r in replicas}
         for p in sorted(movable, key=lambda p: -p.context_tokens):  # decreasing, as BFD
             if p.placement.tier is Tier.CPU:
-                r = p.placement.replica
+                away = self._away(p, free)
+                r = self._spread(p, away, agents) if away else p.placement.replica
             elif p.last_replica in free and p.context_tokens <= free[p.last_replica]:
                 r = p.last_replica
             else:
@@ -283,6 +311,19 @@ class TokenDancePolicy(MoriPolicy):
                 agents[r] += 1  # type: ignore[index]
                 out.setdefault(r, []).append(p)  # type: ignore[arg-type]
         return out
+
+    def _away(self, p: Program, free: dict[str, int]) -> dict[str, int]:
+        """The replicas a CPU-tier member may go to instead of its own: none while its own
+        GPU tier could hold it (it waits for room there, its KV at hand), the others once
+        that replica shrank below it (pinned to it, it waited for good).
+
+        Leaving a replica that is only full, once the wait pays for a recompute elsewhere
+        (`mori`'s rule for its own requests), cost 22-25 % output tok/s at 6 tasks of the
+        agentsociety preset, approximate mode (simulated, seeds 0 and 1)."""
+        home: str = p.placement.replica  # type: ignore[assignment]
+        if home not in free or p.context_tokens <= self.tiers.budget(Placement(Tier.GPU, home)):
+            return {}
+        return {r: room for r, room in free.items() if r != home}
 
     @staticmethod
     def _spread(p: Program, free: dict[str, int], agents: dict[str, int]) -> str:
