@@ -35,9 +35,11 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from router.sim.presets import Preset, get_preset  # noqa: E402
-
-from router.presets import write_preset  # noqa: E402
+from router.presets import (  # noqa: E402
+    Preset,
+    get_preset,
+    write_preset,  # noqa: E402
+)
 from router.replay.trace import TraceProgram, load_trace  # noqa: E402
 from router.sim.simulator import SimConfig, simulate  # noqa: E402
 

@@ -31,13 +31,13 @@ import httpx
 from rich.console import Console
 
 from router.policy import PolicyConfig, make_policy, policy_names
+from router.presets import get_preset, price_summary
 from router.replay.cli import add_api_argument, replay_with_progress
 from router.replay.client import ReplayConfig
 from router.replay.records import RunResult
 from router.replay.report import console as report_console
 from router.replay.report import print_results, write_reports
 from router.replay.trace import TraceError, TraceProgram, load_trace
-from router.sim.presets import get_preset, price_summary
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE_CANDIDATES = ("traces/generated-claude-code-32k.jsonl", "traces/generated-claude-code.jsonl")
@@ -86,7 +86,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         default="h100-8b",
-        help="the cost model the emulated replicas run (router/sim/presets.py)",
+        help="the cost model the emulated replicas run (router/presets.py)",
     )
     parser.add_argument(
         "--preset-file",

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router.sim.presets import get_preset
 
 from router.calibrate.fit import NAMES, Prices, fit, replay
 from router.calibrate.probes import Timing, schedule
-from router.presets import read_preset
+from router.presets import get_preset, read_preset
 from tests.servers import free_port, mori, spawn
 
 SELF_CHECK = 0.05  # every fitted price within 5 % of the emulated preset's
