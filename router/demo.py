@@ -90,7 +90,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--preset-file",
-        help="a preset file (`mori calibrate --out`) for the replicas instead of --preset",
+        help="a preset file (`mori calibrate --out`) for the replicas instead of --preset "
+        "(default: none)",
     )
     parser.add_argument("--out", default="out/demo", help="where the JSON/CSV/plots and logs go")
     parser.add_argument(

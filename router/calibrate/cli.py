@@ -51,12 +51,14 @@ SPAN_SHARE = 0.75  # ... and at most this share of the device pool
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint", help="the replica's base URL")
+    parser.add_argument(
+        "--endpoint", help="the replica's base URL (default: none; this or --refit)"
+    )
     parser.add_argument(
         "--refit",
         type=Path,
         help="fit the probes a preset file recorded again (no endpoint needed): after a change "
-        "to the cost model",
+        "to the cost model (default: none)",
     )
     parser.add_argument("--out", required=True, type=Path, help="preset file to write (JSON)")
     parser.add_argument("--name", help="the preset's name (default: from the engine and model)")

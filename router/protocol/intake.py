@@ -404,6 +404,9 @@ class Intake:
             return prepare(kind, raw, hints)
 
     def close(self) -> None:
+        """Stop the parser process and wait for the pool's manager thread: left running, it
+        races the interpreter's exit hook for the pool's wake-up pipe (CPython 3.11's
+        `_python_exit` writes to it as the thread closes it: an EBADF traceback at exit)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

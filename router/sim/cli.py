@@ -108,7 +108,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="trace JSONL corpus (default: the scenario's 'trace')")
     parser.add_argument(
         "--preset-file",
-        help="a preset file (`mori calibrate --out`) instead of the scenario's preset",
+        help="a preset file (`mori calibrate --out`) instead of the scenario's preset "
+        "(default: none)",
     )
     parser.add_argument(
         "--policies",

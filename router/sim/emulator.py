@@ -706,7 +706,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--preset-file",
-        help="a preset file (`mori calibrate --out`) instead of a named preset",
+        help="a preset file (`mori calibrate --out`) instead of a named preset (default: none)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on")
