@@ -108,6 +108,14 @@ def pressured(name: str = "mori+space"):
     return policy
 
 
+# ... and mori's door: p1's step grew past every replica and waits, keeping its replica
+# closed to starts; once it gives up (a cancel), p3, a start at the door, goes in at once
+CANCELLED_STEP_REOPENS = [
+    *[("act", 0, 0)] * 22, ("act", 1, 488), ("act", 1, 0), ("act", 1, 360), ("act", 2, 100),
+    ("act", 1, 12), ("tick",), ("end", 0),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("name", ["mori+space", "mori-priced+space"])
 def test_pressure_reserves_room_for_the_critical_type(name):
     policy = pressured(name)
@@ -178,6 +186,13 @@ READMITTED = [
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=scenario)
 @example(events=[(0.0, event) for event in READMITTED])
+@example(
+    events=[
+        *[(0.0, event) for event in CANCELLED_STEP_REOPENS],
+        (1.0, ("act", 0, 100)), (0.0, ("act", 1, 0)), (0.0, ("act", 3, 0)),
+        (0.0, ("cancel", 1)),
+    ]
+)  # fmt: skip
 def test_invariants_hold_with_an_app_and_a_reserved_pool(name, events):
     """The property driver of every policy, every program a role of one app's graph and a
     pool that reserves early: tiers exact, budgets kept, no held request left where it

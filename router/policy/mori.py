@@ -395,6 +395,14 @@ class MoriPolicy(PricedPolicy):
         self.protected_until.pop(program_id, None)
         return super().on_request(program_id, now, context_tokens)
 
+    def cancel(self, program_id: str, now: float) -> list[Move]:
+        """A held step that gave up no longer keeps its replica closed to the door's starts:
+        they are let in now, not at the next event."""
+        p = self.programs.get(program_id)
+        closing = self.bounded and p is not None and p.pending and program_id in self._inflight_held
+        moves = super().cancel(program_id, now)
+        return moves + self._let_in(now) if closing else moves
+
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
         self.protected_until.pop(program_id, None)
         self.door.forget(program_id)
