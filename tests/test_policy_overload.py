@@ -177,13 +177,13 @@ def test_a_start_is_held_no_longer_than_start_hold_s():
 def test_no_start_is_let_in_past_the_load_the_programs_in_flight_bring():
     """Programs in flight that reason all the time and fill the GPU tier's room: the door
     stays shut to a start that would fit the free room, and opens when one ends."""
-    policy = make(gpu=1000, door_load=1.0)
+    policy = make(gpu=800, door_load=1.0)
     for pid in ("a", "b"):
-        policy.on_request(pid, 0.0, 100)  # a start's life counts 4x its prompt: 400 each
+        policy.on_request(pid, 0.0, 100)  # a start's life counts 3x its prompt: 300 each
     assert policy.route("a") == "r0" and policy.route("b") == "r0"
-    policy.on_request("c", 0.5, 100)  # 800 of 1000 busy: still under, let in
+    policy.on_request("c", 0.5, 100)  # 600 of 800 busy: still under, let in
     assert policy.route("c") == "r0"
-    policy.on_request("d", 0.6, 100)  # 1200 > 1000: waits, though 700 tokens are free
+    policy.on_request("d", 0.6, 100)  # 900 > 800: waits, though 500 tokens are free
     assert policy.route("d") is None
     policy.on_response("a", 1.0, 100)
     policy.end("a", 1.0)

@@ -53,7 +53,10 @@ from router.policy.types import Move, MoveReason, Placement, Status, Tier
 _EPS = 1e-9
 DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
 URGENT_SHARE = 0.5  # a held step in flight goes first after this share of max_step_wait_s
-GROWTH_PRIOR = 4.0  # a program's life-mean context per token of its first prompt, before ...
+# a program's life-mean context per token of its first prompt, before ...: the real Claude
+# Code sample's median is 3.1 (generated corpora 3.5-3.7); 4 kept too few programs running
+# in runs shorter than a life (bench/results/2026-11-28-overload.md "The growth prior")
+GROWTH_PRIOR = 3.0
 LIFE_SAMPLES = 5  # ... this many programs ended and their own mean is known
 LIFE_ALPHA = 0.05  # weight of the newest ended program in the mean context of a life
 
