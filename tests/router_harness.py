@@ -248,8 +248,15 @@ class ScriptedReplica:
 
 @contextlib.contextmanager
 def serve(replica: ScriptedReplica) -> Iterator[str]:
+    with serve_app(replica.app) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_app(app: Starlette) -> Iterator[str]:
+    """An ASGI app on a free port in a thread of this process; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(replica.app, port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

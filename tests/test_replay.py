@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from router.replay.client import Replay, ReplayConfig
 from router.replay.prompts import Conversation, common_prefix_tokens, count_tokens, render_chat
 from router.replay.report import JSON_FIELDS
 from router.replay.trace import TraceProgram, TraceStep, dump_trace
-from tests.router_harness import programs, router
+from tests.router_harness import programs, router, serve_app
 from tests.servers import free_port, mori, spawn
 
 STEPS = (
@@ -288,3 +293,56 @@ def test_live_replay_names_programs_as_the_harness_does(emulator, corpus_file, i
         expected = routed[run.parents[pid]] if identity != "none" else None
         assert parent_of.get(routed[pid]) == expected
     assert not left & set(routed.values())  # every program was ended by the id it had
+
+
+def test_a_tool_call_runs_while_the_router_is_told_of_it():
+    """The replayed agent tells the router its tool call and runs it at once, as a harness
+    does: a slow answer to the notice does not lengthen the call (told first, then slept,
+    every call lasted the notice's round trip too: time the simulator's tool times do not
+    have). The next request still waits for the notice's answer, so the router sees the
+    call begin before the program's next step."""
+    slow_s, tool_s = 0.6, 0.6
+    seen: dict[str, list[float]] = {"answered": [], "told": [], "asked": []}
+
+    async def chat(request: Request) -> Response:
+        seen["asked"].append(time.monotonic())
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+        chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}]}
+
+        async def events():
+            yield "data: " + json.dumps(chunk) + "\n\n"
+            yield "data: " + json.dumps({"id": "c", "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+            seen["answered"].append(time.monotonic())
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def tool_start(request: Request) -> Response:
+        await asyncio.sleep(slow_s)
+        seen["told"].append(time.monotonic())
+        return JSONResponse({})
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/programs/{pid:path}/tool_start", tool_start, methods=["POST"]),
+            Route("/v1/programs/{pid:path}/end", lambda _: JSONResponse({}), methods=["POST"]),
+        ]
+    )
+    steps = (TraceStep(300, 1, 0, tool_s, "Bash"), TraceStep(400, 1, 300, 0.0))
+    with serve_app(app) as base:
+        config = ReplayConfig(
+            base + "/v1",
+            concurrency=1,
+            duration_s=2.5,
+            start_jitter_s=0,
+            programs=1,
+            policy_label="double",
+            cpu_ratio=1.0,
+            model="m",
+        )
+        asyncio.run(Replay([TraceProgram("t", steps, agent="main")], config).run())
+    assert len(seen["asked"]) >= 2 and seen["told"], seen
+    gap = seen["asked"][1] - seen["answered"][0]
+    assert seen["asked"][1] >= seen["told"][0]  # the notice was answered first
+    assert gap < slow_s + tool_s - 0.3, gap  # ~max(notice, call), not their sum

@@ -327,15 +327,28 @@ class Replay:
             messages = me.conversation.next_messages(step.input_tokens, reused, blocks)
             me.conversation.record_answer(await self._step(me, step, messages))
             self._handoff_event(me.session, program.program_id, i).set()
-            if i + 1 < len(program.steps) and step.tool:
-                headers = me.headers(self.config.identity)
-                await self._tell(me, "tool_start", {"tool": step.tool}, headers)
-            if not (i + 1 < len(program.steps) and program.steps[i + 1].after):
-                await self._sleep_trace(step.tool_s)  # a hand-over is waited for, not slept
+            await self._run_tool(
+                me, step, program.steps[i + 1] if i + 1 < len(program.steps) else None
+            )
         if parent is None:
             self._handoffs = {k: v for k, v in self._handoffs.items() if k[0] != me.session}
         self._spawn(self._end(me))
         self.progress.programs_done += 1
+
+    async def _run_tool(self, me: _Instance, step: TraceStep, after: TraceStep | None) -> None:
+        """The tool call between `step` and the next one (`after`): the router is told it
+        started while it runs, as an agent's harness tells it and runs the tool at once;
+        told first and then run, every call also lasted the notice's round trip, which the
+        simulator's tool times do not. The next request still waits for the notice's
+        answer, so the router sees them in order. A hand-over (`after.after`) is waited
+        for, not slept."""
+        calls = []
+        if after is not None and step.tool:
+            headers = me.headers(self.config.identity)
+            calls.append(self._tell(me, "tool_start", {"tool": step.tool}, headers))
+        if not (after is not None and after.after):
+            calls.append(self._sleep_trace(step.tool_s))
+        await asyncio.gather(*calls)
 
     async def _end(self, me: _Instance) -> None:
         """Tell the router the program ended; it stays live until told, so a run that
