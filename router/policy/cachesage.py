@@ -70,7 +70,9 @@ class CacheSage(RuntimeComponent):
         self.session_of: dict[str, str] = {}  # live program -> its session
         self.agent_of: dict[str, str] = {}  # live program -> its agent
         self._members: dict[str, dict[str, str]] = {}  # session -> {agent: its program}
-        self._unpushed: set[str] = set()  # programs whose agent no engine was told yet
+        # programs whose agent no engine was told yet, in arrival order (a set would order
+        # the pushes by string hash)
+        self._unpushed: dict[str, None] = {}
         self._warms: list[Warm] = []
         self._scores: dict[str, float] = {}  # last computed
         self._pushed: dict[str, float] | None = None
@@ -97,7 +99,7 @@ class CacheSage(RuntimeComponent):
         self.session_of[pid] = session
         if event.agent is not None:
             if self.agent_of.get(pid) != event.agent:
-                self._unpushed.add(pid)
+                self._unpushed[pid] = None
                 self._members.setdefault(session, {})[event.agent] = pid
             self.agent_of[pid] = event.agent
             if event.anchor_tokens > 0:
@@ -108,7 +110,7 @@ class CacheSage(RuntimeComponent):
     def _forget(self, pid: str) -> None:
         session = self.session_of.pop(pid, None)
         agent = self.agent_of.pop(pid, None)
-        self._unpushed.discard(pid)
+        self._unpushed.pop(pid, None)
         members = self._members.get(session, {}) if session is not None else {}
         if members.get(agent) == pid:  # type: ignore[arg-type]
             del members[agent]  # type: ignore[arg-type]
@@ -214,7 +216,7 @@ class CacheSage(RuntimeComponent):
             replica = self.locate(pid)
             if replica is not None:
                 out.setdefault(replica, {})[pid] = self.agent_of[pid]
-                self._unpushed.discard(pid)
+                self._unpushed.pop(pid, None)
         return out
 
 

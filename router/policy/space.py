@@ -92,7 +92,9 @@ class SpaceScheduler(PricedPolicy):
         self.partitions: dict[str, Partition] = {}
         self.critical: frozenset[str] = frozenset()
         self._pushed_critical: frozenset[str] = frozenset()
-        self._unpushed: set[str] = set()  # app programs the engines were not told of yet
+        # app programs the engines were not told of yet, in arrival order (a set would order
+        # the pushes by string hash)
+        self._unpushed: dict[str, None] = {}
         self.critical_promotions = 0
 
     # the shells' hooks ----------------------------------------------------------------
@@ -107,7 +109,7 @@ class SpaceScheduler(PricedPolicy):
                 event.program_id, event.agent, event.app, event.session, event.parent
             )
             if self.graphs.agent_type(event.program_id) is not None:
-                self._unpushed.add(event.program_id)
+                self._unpushed[event.program_id] = None
 
     def runtime_actions(self, now: float) -> list[PushPriorities]:
         """Tell the engines the static priority and type of newly placed app programs, and
@@ -120,11 +122,11 @@ class SpaceScheduler(PricedPolicy):
             replica = None if p is None else p.placement.replica or p.last_replica
             kind = self.graphs.agent_type(pid)
             if p is None or kind is None:
-                self._unpushed.discard(pid)
+                self._unpushed.pop(pid, None)
             elif replica is not None:
                 per[replica][0][pid] = self.static(pid)
                 per[replica][1][pid] = kind
-                self._unpushed.discard(pid)
+                self._unpushed.pop(pid, None)
         changed = self.critical != self._pushed_critical
         self._pushed_critical = self.critical
         replicas = self.tiers.replicas() if changed else list(per)
@@ -320,7 +322,7 @@ class SpaceScheduler(PricedPolicy):
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
         moves = super().end(program_id, now, reason)
         self.graphs.forget(program_id)
-        self._unpushed.discard(program_id)
+        self._unpushed.pop(program_id, None)
         return moves + self._promote(now)  # the pool's share for it is free room now
 
     def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
