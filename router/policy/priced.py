@@ -344,17 +344,26 @@ class PricedPolicy(MoriPaperPolicy):
     def _promote(self, now: float, displace: bool = False) -> list[Move]:
         """The paper's pass (into free room; at a tick also its idleness swaps), then
         priced displacement for what is left; room a displacement frees beyond its request
-        goes to the gate at once."""
-        moves = super()._promote(now, displace)
-        while True:
-            priced = self._displace_priced(now, at_tick=displace)
+        goes to the gate at once. A paper pass that moved nothing leaves its room map as a
+        fresh one would be, and the priced pass takes it (`_free_room`)."""
+        moves: list[Move] = []
+        paper_displace = displace
+        while self._held and self.tiers.replicas():
+            free = self._free_room(now)
+            paper = super()._promote_into(free, now, paper_displace)
+            priced = self._displace_priced(now, displace, None if paper else free)
+            moves += paper + priced
             if not priced:
-                return moves
-            moves += priced + super()._promote(now, displace=False)
+                break
+            paper_displace = False
+        return moves
 
-    def _displace_priced(self, now: float, at_tick: bool) -> list[Move]:
+    def _displace_priced(
+        self, now: float, at_tick: bool, free: dict[str, int] | None
+    ) -> list[Move]:
         """At a tick every held request, aged ones first; on an event only the first
-        `EVENT_CANDIDATES` by priority (an event must stay cheap at 10 000 programs)."""
+        `EVENT_CANDIDATES` by priority (an event must stay cheap at 10 000 programs).
+        `free`: the room map (`_free_room`) when the caller has it as it is now."""
         replicas = self.tiers.replicas()
         if not self._held or not replicas:
             return []
@@ -364,9 +373,7 @@ class PricedPolicy(MoriPaperPolicy):
             candidates = self._queue.top(EVENT_CANDIDATES, self._rank(now))
         if not candidates:
             return []
-        free = {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now) for r in replicas
-        }
+        free = self._free_room(now) if free is None else free
         moves: list[Move] = []
         # The most a replica can offer a request (free room + its movable programs); a
         # request larger than that on every target costs nothing to pass over.
@@ -402,10 +409,9 @@ class PricedPolicy(MoriPaperPolicy):
         density = self._activity_density(self._ranking(now))
 
         def rank(p: Program) -> tuple:
-            if p.placement.tier is Tier.CPU:
-                return (0, -p.priority, density(p), 0)
-            if p.steps > 0:
-                return (1, -p.priority, density(p), 0)
+            held_class = _held_class(p)
+            if held_class < 2:
+                return (held_class, -p.priority, density(p), 0)
             return (2, -p.priority, p.context_tokens, 0)
 
         return rank
@@ -465,6 +471,14 @@ AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # victim pools, by what the req
 _Entry = tuple[float, int, Program, float, int]
 
 
+def _held_class(p: Program) -> int:
+    """A held request's class, the first field of its rank (`PricedPolicy._rank`): 0 on
+    CPU, 1 returning, 2 new. The queue checks it alone, without the density."""
+    if p.placement.tier is Tier.CPU:
+        return 0
+    return 1 if p.steps > 0 else 2
+
+
 def _pool_kind(p: Program, replica: str, aged: bool) -> str:
     """Which victims a held request may move on `replica`: an aged one any ACTING program;
     else those whose move pays, priced by whether they keep their host copy, which depends
@@ -501,7 +515,7 @@ class _Queue:
             p = entry[2]
             if not p.pending or p.last_active_s != entry[3] or p.placement.tier is Tier.GPU:
                 continue
-            if rank(p)[0] != entry[0][0]:  # moved between classes: re-rank it
+            if _held_class(p) != entry[0][0]:  # moved between classes: re-rank it
                 self.push(p, rank)
                 continue
             out.append(entry)
