@@ -8,7 +8,7 @@ import pytest
 
 from router.policy.predictor import MIN_DIST_SAMPLES, DurationPredictor
 from router.policy.prices import QuantileTracker, ReplicaPrices
-from router.policy.residual import DurationDistribution
+from router.policy.residual import EDGES, DurationDistribution
 from router.presets import get_preset
 from router.sim.model import CostModel
 
@@ -182,3 +182,41 @@ def test_residual_answers_both_questions_exactly_as_each_alone():
             predictor.remaining_s(None, "bash", a),
             predictor.stays_p(None, "bash", a, 2.0),
         )
+
+
+@pytest.mark.parametrize("shape", ["pareto", "short", "few", "empty", "forgetful"])
+def test_remaining_many_is_remaining_s_float_for_float(shape: str):
+    """An urgent step prices a replica's programs in tool calls at once (numpy): every
+    figure must be the float `remaining_s` gives, inside the bins, on their edges, below
+    zero and past the data, or the order of its victims changes."""
+    rng = random.Random(shape)
+    samples = {
+        "pareto": [rng.paretovariate(1.3) for _ in range(2_000)],
+        "short": [rng.uniform(0.0, 3.0) for _ in range(300)],
+        "few": [0.0, 2.5, 1e6],
+        "empty": [],
+        "forgetful": [rng.expovariate(0.01) for _ in range(3_000)],
+    }[shape]
+    dist = DurationDistribution(half_life=50) if shape == "forgetful" else filled([])
+    for d in samples:
+        dist.observe(d)
+    elapsed = [rng.uniform(-1.0, 5.0) for _ in range(300)] + [
+        rng.uniform(0, 3e3) for _ in range(300)
+    ]
+    elapsed += [0.0, 1e5, 2e5] + [EDGES[rng.randrange(len(EDGES))] for _ in range(60)]
+    assert dist.remaining_many(elapsed) == [dist.remaining_s(a) for a in elapsed]
+
+
+def test_the_predictor_forgets_its_choice_of_distribution_when_it_learns():
+    """The distribution a tool's calls are priced by is remembered between observations;
+    an observation that gives the tool enough samples switches it at once."""
+    predictor = DurationPredictor()
+    cold = predictor.remaining_many(None, "bash", [0.0, 5.0])
+    assert cold == [predictor.remaining_s(None, "bash", 0.0)] * 2
+    for _ in range(MIN_DIST_SAMPLES):
+        predictor.observe(None, "bash", 2.0)
+    assert predictor.remaining_many(None, "bash", [0.0, 5.0]) == [
+        predictor.remaining_s(None, "bash", 0.0),
+        predictor.remaining_s(None, "bash", 5.0),
+    ]
+    assert predictor.remaining_s(None, "bash", 0.0) == pytest.approx(2.0, rel=0.1)

@@ -183,10 +183,13 @@ class MoriPolicy(PricedPolicy):
         finds the same order among the programs its swaps left there."""
         gpu = Placement(Tier.GPU, replica)
         if replica not in ranked:
-            ranked[replica] = sorted(
-                _in_tool_calls(self.tiers.members(gpu)),
-                key=lambda q: (q.program_id in self.protected_until, -self.expected_idle_s(q, now)),
+            acting = _in_tool_calls(self.tiers.members(gpu))
+            idle = self.expected_idle_many(acting, now)
+            order = sorted(
+                range(len(acting)),
+                key=lambda i: (acting[i].program_id in self.protected_until, -idle[i]),
             )
+            ranked[replica] = [acting[i] for i in order]
         left = [q for q in _in_tool_calls(ranked[replica]) if q.placement == gpu]
         return self.tiers.enough(left, needed)
 

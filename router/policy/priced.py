@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 from bisect import insort
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
@@ -264,6 +265,21 @@ class PricedPolicy(MoriPaperPolicy):
     def expected_idle_s(self, p: Program, now: float) -> float:
         """Expected seconds until an ACTING program's next request."""
         return self.predictor.remaining_s(*self._current_call(p, now))
+
+    def expected_idle_many(self, programs: list[Program], now: float) -> list[float]:
+        """`expected_idle_s` of each of `programs` (ACTING), priced a tool at a time."""
+        calls: dict[tuple[str | None, str], list[int]] = defaultdict(list)
+        elapsed = []
+        for i, p in enumerate(programs):
+            agent, tool, since = self._current_call(p, now)
+            calls[agent, tool].append(i)
+            elapsed.append(since)
+        idle = [0.0] * len(programs)
+        for (agent, tool), at in calls.items():
+            left = self.predictor.remaining_many(agent, tool, [elapsed[i] for i in at])
+            for i, value in zip(at, left, strict=True):
+                idle[i] = value
+        return idle
 
     def _current_call(self, p: Program, now: float) -> tuple[str | None, str, float]:
         """(agent, tool, elapsed s) of the tool call ACTING `p` is in: an unknown tool since
