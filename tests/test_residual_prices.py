@@ -185,10 +185,10 @@ def test_residual_answers_both_questions_exactly_as_each_alone():
 
 
 @pytest.mark.parametrize("shape", ["pareto", "short", "few", "empty", "forgetful"])
-def test_remaining_many_is_remaining_s_float_for_float(shape: str):
-    """An urgent step prices a replica's programs in tool calls at once (numpy): every
-    figure must be the float `remaining_s` gives, inside the bins, on their edges, below
-    zero and past the data, or the order of its victims changes."""
+def test_residual_many_is_residual_float_for_float(shape: str):
+    """A victim pool or an urgent step prices a replica's programs in tool calls at once
+    (numpy): every figure must be the float `remaining_s` and `survival` give, inside the
+    bins, on their edges, below zero and past the data, or victims change."""
     rng = random.Random(shape)
     samples = {
         "pareto": [rng.paretovariate(1.3) for _ in range(2_000)],
@@ -204,19 +204,23 @@ def test_remaining_many_is_remaining_s_float_for_float(shape: str):
         rng.uniform(0, 3e3) for _ in range(300)
     ]
     elapsed += [0.0, 1e5, 2e5] + [EDGES[rng.randrange(len(EDGES))] for _ in range(60)]
-    assert dist.remaining_many(elapsed) == [dist.remaining_s(a) for a in elapsed]
+    more = [rng.uniform(-1.0, 50.0) for _ in elapsed]
+    assert dist.residual_many(elapsed, more) == (
+        [dist.remaining_s(a) for a in elapsed],
+        [dist.survival(a, x) for a, x in zip(elapsed, more, strict=True)],
+    )
 
 
 def test_the_predictor_forgets_its_choice_of_distribution_when_it_learns():
     """The distribution a tool's calls are priced by is remembered between observations;
     an observation that gives the tool enough samples switches it at once."""
     predictor = DurationPredictor()
-    cold = predictor.remaining_many(None, "bash", [0.0, 5.0])
-    assert cold == [predictor.remaining_s(None, "bash", 0.0)] * 2
+    cold = predictor.residual_many(None, "bash", [0.0, 5.0], [1.0, 1.0])
+    assert cold == ([predictor.remaining_s(None, "bash", 0.0)] * 2, [None, None])
     for _ in range(MIN_DIST_SAMPLES):
         predictor.observe(None, "bash", 2.0)
-    assert predictor.remaining_many(None, "bash", [0.0, 5.0]) == [
-        predictor.remaining_s(None, "bash", 0.0),
-        predictor.remaining_s(None, "bash", 5.0),
-    ]
+    assert predictor.residual_many(None, "bash", [0.0, 5.0], [1.0, 1.0]) == (
+        [predictor.remaining_s(None, "bash", a) for a in (0.0, 5.0)],
+        [predictor.stays_p(None, "bash", a, 1.0) for a in (0.0, 5.0)],
+    )
     assert predictor.remaining_s(None, "bash", 0.0) == pytest.approx(2.0, rel=0.1)

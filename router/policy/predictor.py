@@ -231,13 +231,15 @@ class DurationPredictor:
         dist = self._distribution(agent, tool)
         return self.history(agent, tool) if dist is None else dist.remaining_s(elapsed_s)
 
-    def remaining_many(self, agent: str | None, tool: str, elapsed_s: list[float]) -> list[float]:
-        """`remaining_s` of several calls of one tool at once (one distribution look-up,
-        then `DurationDistribution.remaining_many`)."""
+    def residual_many(
+        self, agent: str | None, tool: str, elapsed_s: list[float], more_s: list[float]
+    ) -> tuple[list[float], list[float | None]]:
+        """`residual` of several calls of one tool at once (one distribution look-up,
+        then `DurationDistribution.residual_many`)."""
         dist = self._distribution(agent, tool)
         if dist is None:
-            return [self.history(agent, tool)] * len(elapsed_s)
-        return dist.remaining_many(elapsed_s)
+            return [self.history(agent, tool)] * len(elapsed_s), [None] * len(elapsed_s)
+        return dist.residual_many(elapsed_s, more_s)
 
     def stays_p(
         self, agent: str | None, tool: str, elapsed_s: float, more_s: float

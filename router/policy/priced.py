@@ -267,19 +267,28 @@ class PricedPolicy(MoriPaperPolicy):
         return self.predictor.remaining_s(*self._current_call(p, now))
 
     def expected_idle_many(self, programs: list[Program], now: float) -> list[float]:
-        """`expected_idle_s` of each of `programs` (ACTING), priced a tool at a time."""
+        """`expected_idle_s` of each of `programs` (ACTING) at once (`residuals`)."""
+        return self.residuals(programs, [0.0] * len(programs), now)[0]
+
+    def residuals(
+        self, programs: list[Program], more_s: list[float], now: float
+    ) -> tuple[list[float], list[float | None]]:
+        """`DurationPredictor.residual` of the tool call each of `programs` (ACTING) is
+        in, `more_s` apart: a tool's calls priced together, in numpy."""
         calls: dict[tuple[str | None, str], list[int]] = defaultdict(list)
         elapsed = []
         for i, p in enumerate(programs):
             agent, tool, since = self._current_call(p, now)
             calls[agent, tool].append(i)
             elapsed.append(since)
-        idle = [0.0] * len(programs)
+        idle, stays = [0.0] * len(programs), [None] * len(programs)
         for (agent, tool), at in calls.items():
-            left = self.predictor.remaining_many(agent, tool, [elapsed[i] for i in at])
-            for i, value in zip(at, left, strict=True):
-                idle[i] = value
-        return idle
+            got = self.predictor.residual_many(
+                agent, tool, [elapsed[i] for i in at], [more_s[i] for i in at]
+            )
+            for i, left, p in zip(at, *got, strict=True):
+                idle[i], stays[i] = left, p
+        return idle, stays
 
     def _current_call(self, p: Program, now: float) -> tuple[str | None, str, float]:
         """(agent, tool, elapsed s) of the tool call ACTING `p` is in: an unknown tool since
@@ -298,6 +307,17 @@ class PricedPolicy(MoriPaperPolicy):
         back well before it (3 replicas, real sample: median 9.8 s away against 27.8 s
         expected) and paid their recompute for nothing."""
         idle, stays = self.predictor.residual(*self._current_call(p, now), cost_s)
+        return self._if_pays(idle, stays, cost_s)
+
+    def idles_if_moves_pay(
+        self, programs: list[Program], costs_s: list[float], now: float
+    ) -> list[float | None]:
+        """`idle_if_move_pays` of each of `programs` at once (`residuals`: a victim pool)."""
+        idle, stays = self.residuals(programs, costs_s, now)
+        return [self._if_pays(*args) for args in zip(idle, stays, costs_s, strict=True)]
+
+    def _if_pays(self, idle: float, stays: float | None, cost_s: float) -> float | None:
+        """`idle` if a move costing `cost_s` pays (`idle_if_move_pays`), else None."""
         pays = idle >= cost_s if stays is None else stays >= self.config.displace_confidence
         return idle if pays else None
 
@@ -563,13 +583,20 @@ class _Victims:
         host room of q's replica)."""
         policy = self._policy
         if kind == AGED:
-            idle: float | None = policy.expected_idle_s(q, now)
-        else:
-            kept = policy.victim_keeps_copy(q, kind == FRESH, room)
-            cost = policy.move_cost_s(q, kept_on_host=kept)
-            idle = policy.idle_if_move_pays(q, policy.config.displace_margin * cost, now)
-            if idle is None:
-                return None
+            return self._new_entry(q, policy.expected_idle_s(q, now))
+        idle = policy.idle_if_move_pays(q, self._cost_s(q, kind, room), now)
+        return self._new_entry(q, idle)
+
+    def _cost_s(self, q: Program, kind: str, room: int) -> float:
+        """What moving q must win back to pay: `displace_margin` x its reload if it keeps
+        its host copy, else its recompute (`room`: its replica's host room)."""
+        policy = self._policy
+        kept = policy.victim_keeps_copy(q, kind == FRESH, room)
+        return policy.config.displace_margin * policy.move_cost_s(q, kept_on_host=kept)
+
+    def _new_entry(self, q: Program, idle: float | None) -> _Entry | None:
+        if idle is None:
+            return None
         return (-idle, next(self._seq), q, q.interval_start, q.context_tokens)
 
     def _pool(self, replica: str, kind: str, now: float) -> list[_Entry]:
@@ -581,14 +608,21 @@ class _Victims:
         return pool
 
     def rank(self, replica: str, kind: str, now: float) -> list[_Entry]:
-        """Every ACTING program of GPU(replica) whose move pays, farthest return first."""
-        members = self._policy.tiers.members(Placement(Tier.GPU, replica))
-        room = self._policy.host_room(replica)
-        entries = (
-            self._entry(q, now, kind, room)
-            for q in members
+        """Every ACTING program of GPU(replica) whose move pays, farthest return first
+        (`_entry`, the pool's programs priced together)."""
+        policy = self._policy
+        members = [
+            q
+            for q in policy.tiers.members(Placement(Tier.GPU, replica))
             if q.status is Status.ACTING and q.demote_after_step is None
-        )
+        ]
+        if kind == AGED:
+            idle: list[float | None] = list(policy.expected_idle_many(members, now))
+        else:
+            room = policy.host_room(replica)
+            costs = [self._cost_s(q, kind, room) for q in members]
+            idle = policy.idles_if_moves_pay(members, costs, now)
+        entries = (self._new_entry(q, i) for q, i in zip(members, idle, strict=True))
         return sorted(e for e in entries if e)
 
     def refresh(self, replica: str, now: float) -> None:

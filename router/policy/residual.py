@@ -77,26 +77,37 @@ class DurationDistribution:
         a = max(0.0, float(elapsed_s))
         return self._remaining(a, self._above(a))
 
-    def remaining_many(self, elapsed_s: Sequence[float]) -> list[float]:
-        """`remaining_s` of each elapsed time, the same floats (the same operations in the
-        same order, element-wise in numpy): an urgent step prices every program in a tool
-        call on its replica, ~300 at 10 000 programs, and one at a time that was 90 % of
-        an event while requests were held."""
+    def residual_many(
+        self, elapsed_s: Sequence[float], more_s: Sequence[float]
+    ) -> tuple[list[float], list[float | None]]:
+        """`residual` of each (elapsed, more) pair: the same floats (the same operations in
+        the same order, element-wise in numpy). A victim pool or an urgent step prices
+        every program in a tool call on a replica, ~200-300 at 10 000 programs; one at a
+        time that was a third of an event, and 90 % of one while requests were held."""
         counts, sums, floor = self._suffixes()
         a = np.maximum(np.array(elapsed_s, dtype=float), 0.0)
-        b = np.clip(np.searchsorted(_EDGES, a, side="right") - 1, 0, LAST)
-        share = np.where(a <= _EDGES[b], 1.0, np.maximum(0.0, (_EDGES[b + 1] - a) / _WIDTHS[b]))
+        b, share, n = self._above_many(a, counts)
+        past = n <= floor  # nothing lasted that long: the elapsed time itself, no survival
         count = np.array(self._counts)[b]
-        n = np.array(counts)[b + 1] + share * count
-        past = n <= floor  # nothing lasted that long: the elapsed time itself
         filled = count > 0
         mean_in_bin = np.where(
             filled, np.array(self._sums)[b] / np.where(filled, count, 1.0), _MIDDLES[b]
         )
         above_in_bin = np.where(share < 1.0, np.maximum(a, mean_in_bin), mean_in_bin)
         total = np.array(sums)[b + 1] + share * count * above_in_bin
-        left = np.maximum(0.0, total / np.where(past, 1.0, n) - a)
-        return np.where(past, a, left).tolist()
+        n = np.where(past, 1.0, n)
+        left = np.where(past, a, np.maximum(0.0, total / n - a))
+        later = self._above_many(a + np.maximum(np.array(more_s, dtype=float), 0.0), counts)[2]
+        stays = np.where(later <= floor, 0.0, later) / n
+        return left.tolist(), [
+            None if p else x for p, x in zip(past.tolist(), stays.tolist(), strict=True)
+        ]
+
+    def _above_many(self, t: np.ndarray, counts: list[float]) -> tuple[np.ndarray, ...]:
+        """`_above` of each of `t`, the weight not yet compared with the floor."""
+        b = np.clip(np.searchsorted(_EDGES, t, side="right") - 1, 0, LAST)
+        share = np.where(t <= _EDGES[b], 1.0, np.maximum(0.0, (_EDGES[b + 1] - t) / _WIDTHS[b]))
+        return b, share, np.array(counts)[b + 1] + share * np.array(self._counts)[b]
 
     def survival(self, elapsed_s: float, more_s: float) -> float | None:
         """P(D > a + x | D > a) for a = `elapsed_s`, x = `more_s`; None past the data."""
