@@ -256,9 +256,9 @@ def test_victims_are_ranked_only_when_a_request_waits():
     request); a request that must displace ranks them then, with the time it does so."""
     policy = make(gpu=3000)
     ranked: list[str] = []
-    priced = policy.idle_if_move_pays
-    policy.idle_if_move_pays = lambda p, cost, now: (
-        ranked.append(p.program_id) or priced(p, cost, now)
+    priced = policy.residuals
+    policy.residuals = lambda programs, more, now: (
+        ranked.extend(p.program_id for p in programs) or priced(programs, more, now)
     )
     acting(policy, "a", 0.0, 1000)
     policy.tick(5.0)

@@ -8,7 +8,7 @@ import pytest
 
 from router.policy.predictor import MIN_DIST_SAMPLES, DurationPredictor
 from router.policy.prices import QuantileTracker, ReplicaPrices
-from router.policy.residual import DurationDistribution
+from router.policy.residual import EDGES, DurationDistribution
 from router.presets import get_preset
 from router.sim.model import CostModel
 
@@ -182,3 +182,45 @@ def test_residual_answers_both_questions_exactly_as_each_alone():
             predictor.remaining_s(None, "bash", a),
             predictor.stays_p(None, "bash", a, 2.0),
         )
+
+
+@pytest.mark.parametrize("shape", ["pareto", "short", "few", "empty", "forgetful"])
+def test_residual_many_is_residual_float_for_float(shape: str):
+    """A victim pool or an urgent step prices a replica's programs in tool calls at once
+    (numpy): every figure must be the float `remaining_s` and `survival` give, inside the
+    bins, on their edges, below zero and past the data, or victims change."""
+    rng = random.Random(shape)
+    samples = {
+        "pareto": [rng.paretovariate(1.3) for _ in range(2_000)],
+        "short": [rng.uniform(0.0, 3.0) for _ in range(300)],
+        "few": [0.0, 2.5, 1e6],
+        "empty": [],
+        "forgetful": [rng.expovariate(0.01) for _ in range(3_000)],
+    }[shape]
+    dist = DurationDistribution(half_life=50) if shape == "forgetful" else filled([])
+    for d in samples:
+        dist.observe(d)
+    elapsed = [rng.uniform(-1.0, 5.0) for _ in range(300)] + [
+        rng.uniform(0, 3e3) for _ in range(300)
+    ]
+    elapsed += [0.0, 1e5, 2e5] + [EDGES[rng.randrange(len(EDGES))] for _ in range(60)]
+    more = [rng.uniform(-1.0, 50.0) for _ in elapsed]
+    assert dist.residual_many(elapsed, more) == (
+        [dist.remaining_s(a) for a in elapsed],
+        [dist.survival(a, x) for a, x in zip(elapsed, more, strict=True)],
+    )
+
+
+def test_the_predictor_forgets_its_choice_of_distribution_when_it_learns():
+    """The distribution a tool's calls are priced by is remembered between observations;
+    an observation that gives the tool enough samples switches it at once."""
+    predictor = DurationPredictor()
+    cold = predictor.residual_many(None, "bash", [0.0, 5.0], [1.0, 1.0])
+    assert cold == ([predictor.remaining_s(None, "bash", 0.0)] * 2, [None, None])
+    for _ in range(MIN_DIST_SAMPLES):
+        predictor.observe(None, "bash", 2.0)
+    assert predictor.residual_many(None, "bash", [0.0, 5.0], [1.0, 1.0]) == (
+        [predictor.remaining_s(None, "bash", a) for a in (0.0, 5.0)],
+        [predictor.stays_p(None, "bash", a, 1.0) for a in (0.0, 5.0)],
+    )
+    assert predictor.remaining_s(None, "bash", 0.0) == pytest.approx(2.0, rel=0.1)

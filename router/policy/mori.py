@@ -39,7 +39,7 @@ checks, so MORI's own rebalance keeps its `tick_s` cadence.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -156,13 +156,14 @@ class MoriPolicy(PricedPolicy):
         self._held_for.clear()
         moves: list[Move] = []
         healthy = set(self.tiers.replicas())
+        ranked: dict[str, list[Program]] = {}  # per replica, sorted once a pass
         for p in self._urgent(now):
             home = p.last_replica
             if home not in healthy or home in self._held_for:
                 continue
             gpu = Placement(Tier.GPU, home)
             missing = self.tiers.need(p, gpu) - self.tiers.free(gpu)
-            victims = self._urgent_victims(home, missing, now) if missing > 0 else []
+            victims = self._urgent_victims(home, missing, now, ranked) if missing > 0 else []
             if missing > 0 and not victims:
                 self._held_for[home] = p.program_id  # type: ignore[index]
                 continue
@@ -170,18 +171,27 @@ class MoriPolicy(PricedPolicy):
             moves += self._swap_in(p, home, victims, {home: 0}, now)  # type: ignore[arg-type]
         return moves
 
-    def _urgent_victims(self, replica: str, needed: int, now: float) -> list[Program]:
+    def _urgent_victims(
+        self, replica: str, needed: int, now: float, ranked: dict[str, list[Program]]
+    ) -> list[Program]:
         """Programs in tool calls on GPU(replica) whose leaving frees `needed`, farthest
-        expected return first (predicted-promoted ones last), or [] if they cannot."""
-        acting = [
-            q
-            for q in self.tiers.members(Placement(Tier.GPU, replica))
-            if q.status is Status.ACTING and q.demote_after_step is None
-        ]
-        acting.sort(
-            key=lambda q: (q.program_id in self.protected_until, -self.expected_idle_s(q, now))
-        )
-        return self.tiers.enough(acting, needed)
+        expected return first (predicted-promoted ones last), or [] if they cannot.
+
+        Sorted once per pass and replica (`ranked`; a tick serves ~20 urgent steps, and
+        pricing a replica's ~300 programs in tool calls was half its time): within a pass
+        nothing predicts, protects or ends a call, so a later urgent step of the replica
+        finds the same order among the programs its swaps left there."""
+        gpu = Placement(Tier.GPU, replica)
+        if replica not in ranked:
+            acting = _in_tool_calls(self.tiers.members(gpu))
+            idle = self.expected_idle_many(acting, now)
+            order = sorted(
+                range(len(acting)),
+                key=lambda i: (acting[i].program_id in self.protected_until, -idle[i]),
+            )
+            ranked[replica] = [acting[i] for i in order]
+        left = [q for q in _in_tool_calls(ranked[replica]) if q.placement == gpu]
+        return self.tiers.enough(left, needed)
 
     def _let_in(self, now: float) -> list[Move]:
         """Starts at the door, in the order they first asked (a client's `priority` first),
@@ -567,3 +577,8 @@ class MoriPolicy(PricedPolicy):
             self.outcomes["back_while_on_cpu"] += 1
         elif call.promote_tried:
             self.outcomes["back_after_predicted_promotion"] += 1
+
+
+def _in_tool_calls(programs: Iterable[Program]) -> list[Program]:
+    """The ACTING programs not marked to leave after their step (an urgent step's victims)."""
+    return [q for q in programs if q.status is Status.ACTING and q.demote_after_step is None]

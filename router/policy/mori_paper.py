@@ -252,12 +252,22 @@ class MoriPaperPolicy(Policy):
         `displace` (tick only) lets a class-1/2 request that does not fit swap out clearly
         more idle ACTING programs; arrivals and responses never move anyone else.
         """
-        replicas = self.tiers.replicas()
-        if not self._held or not replicas:
+        if not self._held or not self.tiers.replicas():
             return []
-        free = {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now) for r in replicas
+        return self._promote_into(self._free_room(now), now, displace)
+
+    def _free_room(self, now: float) -> dict[str, int]:
+        """GPU room per replica a promotion pass may fill: free room less what the pass
+        leaves free (`leave_free`). Only a move changes it within an event, so a pass that
+        moved nothing hands its map on (`PricedPolicy._promote`): `leave_free` prices idle
+        programs per replica and is an event's dearest set-up while a request is held."""
+        return {
+            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now)
+            for r in self.tiers.replicas()
         }
+
+    def _promote_into(self, free: dict[str, int], now: float, displace: bool) -> list[Move]:
+        """The pass of `_promote` into `free` (`_free_room`, updated as it places)."""
         if not displace and not self._smallest.any_fits(free, self.CPU_MAY_LEAVE_HOME):
             return []  # fast path (every event): no held request fits anywhere
         held = self._held_programs()

@@ -175,6 +175,8 @@ class DurationPredictor:
         self.max_keys = max_keys
         self._ewma: dict[tuple[str | None, str], float] = {}
         self._dists: dict[tuple[str | None, str], DurationDistribution] = {}
+        # (agent, tool) -> `_distribution`'s answer, until the next observation changes it
+        self._chosen: dict[tuple[str | None, str], DurationDistribution | None] = {}
         self._errors: dict[str, deque[tuple[float, float]]] = defaultdict(
             lambda: deque(maxlen=max_samples)
         )
@@ -215,6 +217,7 @@ class DurationPredictor:
             if dist is None:
                 dist = self._dists[level] = DurationDistribution()
             dist.observe(actual_s)
+        self._chosen.clear()
         for table in (self._ewma, self._dists):
             while len(table) > self.max_keys:
                 del table[next(iter(table))]
@@ -227,6 +230,16 @@ class DurationPredictor:
         EWMA or the cold-start mean (memoryless: the mean, whatever has elapsed)."""
         dist = self._distribution(agent, tool)
         return self.history(agent, tool) if dist is None else dist.remaining_s(elapsed_s)
+
+    def residual_many(
+        self, agent: str | None, tool: str, elapsed_s: list[float], more_s: list[float]
+    ) -> tuple[list[float], list[float | None]]:
+        """`residual` of several calls of one tool at once (one distribution look-up,
+        then `DurationDistribution.residual_many`)."""
+        dist = self._distribution(agent, tool)
+        if dist is None:
+            return [self.history(agent, tool)] * len(elapsed_s), [None] * len(elapsed_s)
+        return dist.residual_many(elapsed_s, more_s)
 
     def stays_p(
         self, agent: str | None, tool: str, elapsed_s: float, more_s: float
@@ -246,7 +259,18 @@ class DurationPredictor:
         return dist.residual(elapsed_s, more_s)
 
     def _distribution(self, agent: str | None, tool: str) -> DurationDistribution | None:
-        """The most specific level's distribution with `MIN_DIST_SAMPLES` observations."""
+        """The most specific level's distribution with `MIN_DIST_SAMPLES` observations,
+        remembered until the next observation (a victim pool or an urgent step's victims
+        ask it for hundreds of programs in the same few tool calls)."""
+        key = (agent, tool)
+        if key in self._chosen:
+            return self._chosen[key]
+        if len(self._chosen) >= self.max_keys:  # keys come from clients: bounded
+            self._chosen.clear()
+        chosen = self._chosen[key] = self._choose(agent, tool)
+        return chosen
+
+    def _choose(self, agent: str | None, tool: str) -> DurationDistribution | None:
         for level in self._levels(agent, tool):
             dist = self._dists.get(level)
             if dist is not None and dist.observations >= MIN_DIST_SAMPLES:

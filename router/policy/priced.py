@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 from bisect import insort
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
@@ -265,6 +266,30 @@ class PricedPolicy(MoriPaperPolicy):
         """Expected seconds until an ACTING program's next request."""
         return self.predictor.remaining_s(*self._current_call(p, now))
 
+    def expected_idle_many(self, programs: list[Program], now: float) -> list[float]:
+        """`expected_idle_s` of each of `programs` (ACTING) at once (`residuals`)."""
+        return self.residuals(programs, [0.0] * len(programs), now)[0]
+
+    def residuals(
+        self, programs: list[Program], more_s: list[float], now: float
+    ) -> tuple[list[float], list[float | None]]:
+        """`DurationPredictor.residual` of the tool call each of `programs` (ACTING) is
+        in, `more_s` apart: a tool's calls priced together, in numpy."""
+        calls: dict[tuple[str | None, str], list[int]] = defaultdict(list)
+        elapsed = []
+        for i, p in enumerate(programs):
+            agent, tool, since = self._current_call(p, now)
+            calls[agent, tool].append(i)
+            elapsed.append(since)
+        idle, stays = [0.0] * len(programs), [None] * len(programs)
+        for (agent, tool), at in calls.items():
+            got = self.predictor.residual_many(
+                agent, tool, [elapsed[i] for i in at], [more_s[i] for i in at]
+            )
+            for i, left, p in zip(at, *got, strict=True):
+                idle[i], stays[i] = left, p
+        return idle, stays
+
     def _current_call(self, p: Program, now: float) -> tuple[str | None, str, float]:
         """(agent, tool, elapsed s) of the tool call ACTING `p` is in: an unknown tool since
         its step ended when the client did not say."""
@@ -282,6 +307,17 @@ class PricedPolicy(MoriPaperPolicy):
         back well before it (3 replicas, real sample: median 9.8 s away against 27.8 s
         expected) and paid their recompute for nothing."""
         idle, stays = self.predictor.residual(*self._current_call(p, now), cost_s)
+        return self._if_pays(idle, stays, cost_s)
+
+    def idles_if_moves_pay(
+        self, programs: list[Program], costs_s: list[float], now: float
+    ) -> list[float | None]:
+        """`idle_if_move_pays` of each of `programs` at once (`residuals`: a victim pool)."""
+        idle, stays = self.residuals(programs, costs_s, now)
+        return [self._if_pays(*args) for args in zip(idle, stays, costs_s, strict=True)]
+
+    def _if_pays(self, idle: float, stays: float | None, cost_s: float) -> float | None:
+        """`idle` if a move costing `cost_s` pays (`idle_if_move_pays`), else None."""
         pays = idle >= cost_s if stays is None else stays >= self.config.displace_confidence
         return idle if pays else None
 
@@ -344,17 +380,26 @@ class PricedPolicy(MoriPaperPolicy):
     def _promote(self, now: float, displace: bool = False) -> list[Move]:
         """The paper's pass (into free room; at a tick also its idleness swaps), then
         priced displacement for what is left; room a displacement frees beyond its request
-        goes to the gate at once."""
-        moves = super()._promote(now, displace)
-        while True:
-            priced = self._displace_priced(now, at_tick=displace)
+        goes to the gate at once. A paper pass that moved nothing leaves its room map as a
+        fresh one would be, and the priced pass takes it (`_free_room`)."""
+        moves: list[Move] = []
+        paper_displace = displace
+        while self._held and self.tiers.replicas():
+            free = self._free_room(now)
+            paper = super()._promote_into(free, now, paper_displace)
+            priced = self._displace_priced(now, displace, None if paper else free)
+            moves += paper + priced
             if not priced:
-                return moves
-            moves += priced + super()._promote(now, displace=False)
+                break
+            paper_displace = False
+        return moves
 
-    def _displace_priced(self, now: float, at_tick: bool) -> list[Move]:
+    def _displace_priced(
+        self, now: float, at_tick: bool, free: dict[str, int] | None
+    ) -> list[Move]:
         """At a tick every held request, aged ones first; on an event only the first
-        `EVENT_CANDIDATES` by priority (an event must stay cheap at 10 000 programs)."""
+        `EVENT_CANDIDATES` by priority (an event must stay cheap at 10 000 programs).
+        `free`: the room map (`_free_room`) when the caller has it as it is now."""
         replicas = self.tiers.replicas()
         if not self._held or not replicas:
             return []
@@ -364,9 +409,7 @@ class PricedPolicy(MoriPaperPolicy):
             candidates = self._queue.top(EVENT_CANDIDATES, self._rank(now))
         if not candidates:
             return []
-        free = {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now) for r in replicas
-        }
+        free = self._free_room(now) if free is None else free
         moves: list[Move] = []
         # The most a replica can offer a request (free room + its movable programs); a
         # request larger than that on every target costs nothing to pass over.
@@ -402,10 +445,9 @@ class PricedPolicy(MoriPaperPolicy):
         density = self._activity_density(self._ranking(now))
 
         def rank(p: Program) -> tuple:
-            if p.placement.tier is Tier.CPU:
-                return (0, -p.priority, density(p), 0)
-            if p.steps > 0:
-                return (1, -p.priority, density(p), 0)
+            held_class = _held_class(p)
+            if held_class < 2:
+                return (held_class, -p.priority, density(p), 0)
             return (2, -p.priority, p.context_tokens, 0)
 
         return rank
@@ -465,6 +507,14 @@ AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # victim pools, by what the req
 _Entry = tuple[float, int, Program, float, int]
 
 
+def _held_class(p: Program) -> int:
+    """A held request's class, the first field of its rank (`PricedPolicy._rank`): 0 on
+    CPU, 1 returning, 2 new. The queue checks it alone, without the density."""
+    if p.placement.tier is Tier.CPU:
+        return 0
+    return 1 if p.steps > 0 else 2
+
+
 def _pool_kind(p: Program, replica: str, aged: bool) -> str:
     """Which victims a held request may move on `replica`: an aged one any ACTING program;
     else those whose move pays, priced by whether they keep their host copy, which depends
@@ -501,7 +551,7 @@ class _Queue:
             p = entry[2]
             if not p.pending or p.last_active_s != entry[3] or p.placement.tier is Tier.GPU:
                 continue
-            if rank(p)[0] != entry[0][0]:  # moved between classes: re-rank it
+            if _held_class(p) != entry[0][0]:  # moved between classes: re-rank it
                 self.push(p, rank)
                 continue
             out.append(entry)
@@ -533,13 +583,20 @@ class _Victims:
         host room of q's replica)."""
         policy = self._policy
         if kind == AGED:
-            idle: float | None = policy.expected_idle_s(q, now)
-        else:
-            kept = policy.victim_keeps_copy(q, kind == FRESH, room)
-            cost = policy.move_cost_s(q, kept_on_host=kept)
-            idle = policy.idle_if_move_pays(q, policy.config.displace_margin * cost, now)
-            if idle is None:
-                return None
+            return self._new_entry(q, policy.expected_idle_s(q, now))
+        idle = policy.idle_if_move_pays(q, self._cost_s(q, kind, room), now)
+        return self._new_entry(q, idle)
+
+    def _cost_s(self, q: Program, kind: str, room: int) -> float:
+        """What moving q must win back to pay: `displace_margin` x its reload if it keeps
+        its host copy, else its recompute (`room`: its replica's host room)."""
+        policy = self._policy
+        kept = policy.victim_keeps_copy(q, kind == FRESH, room)
+        return policy.config.displace_margin * policy.move_cost_s(q, kept_on_host=kept)
+
+    def _new_entry(self, q: Program, idle: float | None) -> _Entry | None:
+        if idle is None:
+            return None
         return (-idle, next(self._seq), q, q.interval_start, q.context_tokens)
 
     def _pool(self, replica: str, kind: str, now: float) -> list[_Entry]:
@@ -551,14 +608,21 @@ class _Victims:
         return pool
 
     def rank(self, replica: str, kind: str, now: float) -> list[_Entry]:
-        """Every ACTING program of GPU(replica) whose move pays, farthest return first."""
-        members = self._policy.tiers.members(Placement(Tier.GPU, replica))
-        room = self._policy.host_room(replica)
-        entries = (
-            self._entry(q, now, kind, room)
-            for q in members
+        """Every ACTING program of GPU(replica) whose move pays, farthest return first
+        (`_entry`, the pool's programs priced together)."""
+        policy = self._policy
+        members = [
+            q
+            for q in policy.tiers.members(Placement(Tier.GPU, replica))
             if q.status is Status.ACTING and q.demote_after_step is None
-        )
+        ]
+        if kind == AGED:
+            idle: list[float | None] = list(policy.expected_idle_many(members, now))
+        else:
+            room = policy.host_room(replica)
+            costs = [self._cost_s(q, kind, room) for q in members]
+            idle = policy.idles_if_moves_pay(members, costs, now)
+        entries = (self._new_entry(q, i) for q, i in zip(members, idle, strict=True))
         return sorted(e for e in entries if e)
 
     def refresh(self, replica: str, now: float) -> None:

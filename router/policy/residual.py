@@ -19,7 +19,10 @@ itself (the Lindy rule: for a Pareto tail of index 2, E[D - a | D > a] = a).
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from itertools import accumulate
+
+import numpy as np
 
 BINS_PER_DECADE = 8
 LOW_S = 0.01  # durations below land in the first bin
@@ -28,6 +31,7 @@ N_BINS = BINS_PER_DECADE * DECADES
 EDGES = [LOW_S * 10 ** (i / BINS_PER_DECADE) for i in range(N_BINS + 1)]
 WIDTHS = [hi - lo for lo, hi in zip(EDGES, EDGES[1:], strict=False)]
 MIDDLES = [(lo + hi) / 2 for lo, hi in zip(EDGES, EDGES[1:], strict=False)]
+_EDGES, _WIDTHS, _MIDDLES = np.array(EDGES), np.array(WIDTHS), np.array(MIDDLES)
 LAST = N_BINS - 1
 _RENORMALISE_AT = 1e100
 
@@ -72,6 +76,38 @@ class DurationDistribution:
         """E[D - a | D > a] for a = `elapsed_s`; `elapsed_s` itself past the data."""
         a = max(0.0, float(elapsed_s))
         return self._remaining(a, self._above(a))
+
+    def residual_many(
+        self, elapsed_s: Sequence[float], more_s: Sequence[float]
+    ) -> tuple[list[float], list[float | None]]:
+        """`residual` of each (elapsed, more) pair: the same floats (the same operations in
+        the same order, element-wise in numpy). A victim pool or an urgent step prices
+        every program in a tool call on a replica, ~200-300 at 10 000 programs; one at a
+        time that was a third of an event, and 90 % of one while requests were held."""
+        counts, sums, floor = self._suffixes()
+        a = np.maximum(np.array(elapsed_s, dtype=float), 0.0)
+        b, share, n = self._above_many(a, counts)
+        past = n <= floor  # nothing lasted that long: the elapsed time itself, no survival
+        count = np.array(self._counts)[b]
+        filled = count > 0
+        mean_in_bin = np.where(
+            filled, np.array(self._sums)[b] / np.where(filled, count, 1.0), _MIDDLES[b]
+        )
+        above_in_bin = np.where(share < 1.0, np.maximum(a, mean_in_bin), mean_in_bin)
+        total = np.array(sums)[b + 1] + share * count * above_in_bin
+        n = np.where(past, 1.0, n)
+        left = np.where(past, a, np.maximum(0.0, total / n - a))
+        later = self._above_many(a + np.maximum(np.array(more_s, dtype=float), 0.0), counts)[2]
+        stays = np.where(later <= floor, 0.0, later) / n
+        return left.tolist(), [
+            None if p else x for p, x in zip(past.tolist(), stays.tolist(), strict=True)
+        ]
+
+    def _above_many(self, t: np.ndarray, counts: list[float]) -> tuple[np.ndarray, ...]:
+        """`_above` of each of `t`, the weight not yet compared with the floor."""
+        b = np.clip(np.searchsorted(_EDGES, t, side="right") - 1, 0, LAST)
+        share = np.where(t <= _EDGES[b], 1.0, np.maximum(0.0, (_EDGES[b + 1] - t) / _WIDTHS[b]))
+        return b, share, np.array(counts)[b + 1] + share * np.array(self._counts)[b]
 
     def survival(self, elapsed_s: float, more_s: float) -> float | None:
         """P(D > a + x | D > a) for a = `elapsed_s`, x = `more_s`; None past the data."""
