@@ -39,14 +39,14 @@ checks, so MORI's own rebalance keeps its `tick_s` cadence.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 from router.policy.base import PolicyConfig
 from router.policy.door import Door
 from router.policy.mori_paper import Idleness
-from router.policy.priced import FRESH, PricedPolicy, ToolCall
+from router.policy.priced import FRESH, PricedPolicy, ToolCall, in_tool_calls
 from router.policy.program import Program
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
@@ -183,14 +183,14 @@ class MoriPolicy(PricedPolicy):
         finds the same order among the programs its swaps left there."""
         gpu = Placement(Tier.GPU, replica)
         if replica not in ranked:
-            acting = _in_tool_calls(self.tiers.members(gpu))
+            acting = in_tool_calls(self.tiers.members(gpu))
             idle = self.expected_idle_many(acting, now)
             order = sorted(
                 range(len(acting)),
                 key=lambda i: (acting[i].program_id in self.protected_until, -idle[i]),
             )
             ranked[replica] = [acting[i] for i in order]
-        left = [q for q in _in_tool_calls(ranked[replica]) if q.placement == gpu]
+        left = [q for q in in_tool_calls(ranked[replica]) if q.placement == gpu]
         return self.tiers.enough(left, needed)
 
     def _let_in(self, now: float) -> list[Move]:
@@ -577,8 +577,3 @@ class MoriPolicy(PricedPolicy):
             self.outcomes["back_while_on_cpu"] += 1
         elif call.promote_tried:
             self.outcomes["back_after_predicted_promotion"] += 1
-
-
-def _in_tool_calls(programs: Iterable[Program]) -> list[Program]:
-    """The ACTING programs not marked to leave after their step (an urgent step's victims)."""
-    return [q for q in programs if q.status is Status.ACTING and q.demote_after_step is None]

@@ -29,7 +29,7 @@ import contextlib
 import heapq
 from bisect import insort
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -507,6 +507,12 @@ AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # victim pools, by what the req
 _Entry = tuple[float, int, Program, float, int]
 
 
+def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
+    """The ACTING programs not marked to leave after their step: those a move may take
+    off the GPU (victim pools, an urgent step's victims)."""
+    return [q for q in programs if q.status is Status.ACTING and q.demote_after_step is None]
+
+
 def _held_class(p: Program) -> int:
     """A held request's class, the first field of its rank (`PricedPolicy._rank`): 0 on
     CPU, 1 returning, 2 new. The queue checks it alone, without the density."""
@@ -611,11 +617,7 @@ class _Victims:
         """Every ACTING program of GPU(replica) whose move pays, farthest return first
         (`_entry`, the pool's programs priced together)."""
         policy = self._policy
-        members = [
-            q
-            for q in policy.tiers.members(Placement(Tier.GPU, replica))
-            if q.status is Status.ACTING and q.demote_after_step is None
-        ]
+        members = in_tool_calls(policy.tiers.members(Placement(Tier.GPU, replica)))
         if kind == AGED:
             idle: list[float | None] = list(policy.expected_idle_many(members, now))
         else:

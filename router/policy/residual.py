@@ -85,10 +85,11 @@ class DurationDistribution:
         every program in a tool call on a replica, ~200-300 at 10 000 programs; one at a
         time that was a third of an event, and 90 % of one while requests were held."""
         counts, sums, floor = self._suffixes()
+        suffix, per_bin = np.array(counts), np.array(self._counts)  # once per call
         a = np.maximum(np.array(elapsed_s, dtype=float), 0.0)
-        b, share, n = self._above_many(a, counts)
+        b, share, n = _above_many(a, suffix, per_bin)
         past = n <= floor  # nothing lasted that long: the elapsed time itself, no survival
-        count = np.array(self._counts)[b]
+        count = per_bin[b]
         filled = count > 0
         mean_in_bin = np.where(
             filled, np.array(self._sums)[b] / np.where(filled, count, 1.0), _MIDDLES[b]
@@ -97,17 +98,11 @@ class DurationDistribution:
         total = np.array(sums)[b + 1] + share * count * above_in_bin
         n = np.where(past, 1.0, n)
         left = np.where(past, a, np.maximum(0.0, total / n - a))
-        later = self._above_many(a + np.maximum(np.array(more_s, dtype=float), 0.0), counts)[2]
+        later = _above_many(a + np.maximum(np.array(more_s, dtype=float), 0.0), suffix, per_bin)[2]
         stays = np.where(later <= floor, 0.0, later) / n
         return left.tolist(), [
             None if p else x for p, x in zip(past.tolist(), stays.tolist(), strict=True)
         ]
-
-    def _above_many(self, t: np.ndarray, counts: list[float]) -> tuple[np.ndarray, ...]:
-        """`_above` of each of `t`, the weight not yet compared with the floor."""
-        b = np.clip(np.searchsorted(_EDGES, t, side="right") - 1, 0, LAST)
-        share = np.where(t <= _EDGES[b], 1.0, np.maximum(0.0, (_EDGES[b + 1] - t) / _WIDTHS[b]))
-        return b, share, np.array(counts)[b + 1] + share * np.array(self._counts)[b]
 
     def survival(self, elapsed_s: float, more_s: float) -> float | None:
         """P(D > a + x | D > a) for a = `elapsed_s`, x = `more_s`; None past the data."""
@@ -168,3 +163,11 @@ def _suffix_sums(values: list[float]) -> list[float]:
 def _bin(d: float) -> int:
     b = bisect_right(EDGES, d) - 1
     return 0 if b < 0 else LAST if b > LAST else b
+
+
+def _above_many(t: np.ndarray, suffix: np.ndarray, per_bin: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`DurationDistribution._above` of each of `t` (bin, share of it above, weight above),
+    the weight not yet compared with the floor; `suffix`/`per_bin`: the counts as arrays."""
+    b = np.clip(np.searchsorted(_EDGES, t, side="right") - 1, 0, LAST)
+    share = np.where(t <= _EDGES[b], 1.0, np.maximum(0.0, (_EDGES[b + 1] - t) / _WIDTHS[b]))
+    return b, share, suffix[b + 1] + share * per_bin[b]
