@@ -121,12 +121,12 @@ class Driver:
         self.wake_at: float | None = None
         self.ids = count()
         # optional abilities of some policies (agent runtime layer, app graphs, wake-ups)
-        self._observe = getattr(self.policy, "observe", None)
-        self._actions = getattr(self.policy, "runtime_actions", None)
-        self._wakeup = getattr(self.policy, "next_wakeup", None)
-        register = getattr(self.policy, "register_app", None)
-        if register is not None:
-            register("pipe", [list(edge) for edge in PIPELINE])
+        can = self.policy.capabilities
+        self._observe = self.policy.observe if can.runtime else None
+        self._actions = self.policy.runtime_actions if can.runtime else None
+        self._wakeup = self.policy.next_wakeup if can.wakeups else None
+        if can.apps:
+            self.policy.register_app("pipe", [list(edge) for edge in PIPELINE])
 
     # the load -------------------------------------------------------------------------
     def run(self) -> list[list[Any]]:

@@ -4,10 +4,11 @@ Policies are looked up by name so the router, the simulator and the benchmarks c
 take `--policy NAME` and run every comparison through the same harness.
 
 The pure core of MORI: programs and idleness (`program`), tiers, prices and residual tool
-time, All-Gather rounds (`rounds`), the policies (`mori`, `priced`, `mori_paper`,
-`cachesage`, `space`, `tokendance`, `continuum`, `baselines`) and the helpers they share
-(`types`, `labels`, `stats`). No I/O, an injected clock: the same code runs in the live
-router, the simulator and the tests.
+time, All-Gather rounds (`rounds`), the MORI engine (`engine`) and the stages its rungs
+combine (`ladder`: `ordering`, `placement`, `displacement`, `reservation`, `forecast`,
+`timed`, `overload`, `space`, `cachesage`, `tokendance`), the baselines (`continuum`,
+`baselines`) and the helpers they share (`types`, `labels`, `stats`). No I/O, an injected
+clock: the same code runs in the live router, the simulator and the tests.
 
 May import: nothing of the project outside `router.policy` (the router's shell, the
 simulator and the replay all import it; it imports none of them).
@@ -19,14 +20,16 @@ from importlib import import_module
 
 from router.policy.base import Policy, PolicyConfig
 
+# name -> "module:attr", a callable taking a PolicyConfig: MORI's rungs are rows of the
+# ladder (router.policy.ladder), the engine with their stages; the baselines are classes
 REGISTRY: dict[str, str] = {
-    "mori": "router.policy.mori:MoriPolicy",
-    "mori-priced": "router.policy.priced:PricedPolicy",
-    "mori-paper": "router.policy.mori_paper:MoriPaperPolicy",
-    "mori+cachesage": "router.policy.cachesage:CacheSagePolicy",
-    "mori+space": "router.policy.space:SpacePolicy",
-    "mori-priced+space": "router.policy.space:PricedSpacePolicy",
-    "mori+tokendance": "router.policy.tokendance:TokenDancePolicy",
+    "mori": "router.policy.ladder:MORI",
+    "mori-priced": "router.policy.ladder:MORI_PRICED",
+    "mori-paper": "router.policy.ladder:MORI_PAPER",
+    "mori+cachesage": "router.policy.ladder:MORI_CACHESAGE",
+    "mori+space": "router.policy.ladder:MORI_SPACE",
+    "mori-priced+space": "router.policy.ladder:MORI_PRICED_SPACE",
+    "mori+tokendance": "router.policy.ladder:MORI_TOKENDANCE",
     "continuum": "router.policy.continuum:ContinuumPolicy",
     "ta": "router.policy.baselines:ThunderAgentPolicy",
     "ta+o": "router.policy.baselines:ThunderAgentOffloadPolicy",
@@ -44,8 +47,8 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
         target = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}") from None
-    module, cls = target.split(":")
-    return getattr(import_module(module), cls)(config)
+    module, attr = target.split(":")
+    return getattr(import_module(module), attr)(config)
 
 
 __all__ = ["Policy", "PolicyConfig", "make_policy", "policy_names", "REGISTRY"]

@@ -46,6 +46,19 @@ from router.policy.types import (
 )
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a policy does beyond the event interface, for the shells to call (declared,
+    never probed): `wakeups`, it wants `tick` at `next_wakeup(now)` besides its period;
+    `runtime`, it reads agent events (`observe`) and answers runtime actions
+    (`runtime_actions`: scores, priorities, warm-ups); `apps`, it takes application graphs
+    (`register_app`, `POST /v1/apps`)."""
+
+    wakeups: bool = False
+    runtime: bool = False
+    apps: bool = False
+
+
 @dataclass
 class PolicyConfig:
     """Knobs shared by all policies; a policy ignores those it has no use for."""
@@ -121,6 +134,7 @@ class Policy(ABC):
     """Common bookkeeping; subclasses decide admission (`_admit`) and rebalancing (`_rebalance`)."""
 
     name: ClassVar[str]
+    capabilities: Capabilities = Capabilities()
     gated: ClassVar[bool] = True  # False: requests are forwarded at once (no gate)
     sends_hints: ClassVar[bool] = True  # False: engines run plain SGLang eviction
 
@@ -192,7 +206,7 @@ class Policy(ABC):
         for tier in (Tier.GPU, Tier.CPU):
             for p in self.tiers.members(Placement(tier, replica)):
                 p.demote_after_step = None
-                moves.append(self._move(p, WAITING, MoveReason.DRAIN, now))
+                moves.append(self.move(p, WAITING, MoveReason.DRAIN, now))
         return moves
 
     # program events ---------------------------------------------------------------
@@ -269,8 +283,8 @@ class Policy(ABC):
         if p.demote_after_step is not None:
             dst, p.demote_after_step = p.demote_after_step, None
             if p.placement.tier is Tier.GPU:
-                dst = self._fit_or_waiting(dst, p)
-                moves.append(self._move(p, dst, MoveReason.DEMOTE_LAZY, now))
+                dst = self.fit_or_waiting(dst, p)
+                moves.append(self.move(p, dst, MoveReason.DEMOTE_LAZY, now))
         return moves + self._after_response(p, now)
 
     def cancel(self, program_id: str, now: float) -> list[Move]:
@@ -290,7 +304,7 @@ class Policy(ABC):
         self.last_tool.pop(program_id, None)
         self._prompts.pop(program_id, None)
         self.rounds.forget(program_id)
-        move = self._move(p, WAITING, reason, now) if p.placement.tier is not Tier.WAITING else None
+        move = self.move(p, WAITING, reason, now) if p.placement.tier is not Tier.WAITING else None
         if move is None and p.last_replica is not None:
             self._pending_hints[p.last_replica][program_id] = Hint.INACTIVE
         self.tiers.remove(p)
@@ -343,6 +357,25 @@ class Policy(ABC):
         for entry in busy:
             heapq.heappush(heap, entry)
         return expired
+
+    # the optional calls (`capabilities` says which a policy answers) ----------------
+    def next_wakeup(self, now: float) -> float | None:
+        """When the shell should call `tick` next, besides the period (None: no need)."""
+        return None
+
+    def observe(self, event: Any) -> None:
+        """An agent event (`router.policy.runtime.AgentEvent`: identity, session, app)
+        before the request it describes."""
+        return None
+
+    def runtime_actions(self, now: float) -> list[Any]:
+        """What the shells should tell the engines besides the hints (`router.policy.
+        runtime.Action`s)."""
+        return []
+
+    def register_app(self, app: str, edges: object) -> dict[str, Any]:
+        """An application's graph; ValueError where the policy takes none."""
+        raise ValueError(f"policy {self.name!r} does not schedule by application graph")
 
     # hints ------------------------------------------------------------------------
     def hints(self) -> dict[str, dict[str, Hint]]:
@@ -412,7 +445,7 @@ class Policy(ABC):
         }
 
     # for subclasses ---------------------------------------------------------------
-    def _move(self, p: Program, dst: Placement, reason: MoveReason, now: float) -> Move:
+    def move(self, p: Program, dst: Placement, reason: MoveReason, now: float) -> Move:
         """The only way a program changes tier: updates sums, queues the hints, and
         releases a gated request when its program lands on a GPU tier."""
         src = p.placement
@@ -425,15 +458,10 @@ class Policy(ABC):
             self._start(p, now)
         return Move(p.program_id, src, dst, reason)
 
-    def _fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
+    def fit_or_waiting(self, dst: Placement, p: Program) -> Placement:
         return dst if self.tiers.fits(dst, p.context_tokens) else WAITING
 
-    def _held_programs(self) -> list[Program]:
-        """The held requests the policy's passes rank (a hook: `mori` leaves the starts
-        waiting at its door to the door); every held request by default."""
-        return self._every_held()
-
-    def _every_held(self) -> list[Program]:
+    def every_held(self) -> list[Program]:
         """Programs whose request waits at the gate, oldest arrival first.
 
         The index is cleaned lazily (released, cancelled and ended entries drop out
@@ -457,7 +485,7 @@ class Policy(ABC):
             if p.placement.replica == replica:
                 p.demote_after_step = None
 
-    def _release(self, p: Program, now: float) -> None:
+    def release(self, p: Program, now: float) -> None:
         """Let a gated request through to its program's GPU replica (no move needed)."""
         if p.pending and p.placement.tier is Tier.GPU:
             self._start(p, now)

@@ -65,9 +65,9 @@ class SmgPolicy(Policy):
         self._running[replica] += 1
         gpu = Placement(Tier.GPU, replica)
         if p.placement == gpu:
-            self._release(p, now)
+            self.release(p, now)
             return []
-        return [self._move(p, gpu, MoveReason.ADMIT, now)]
+        return [self.move(p, gpu, MoveReason.ADMIT, now)]
 
     def _after_response(self, p: Program, now: float) -> list[Move]:
         self._finish(p.program_id)
@@ -85,7 +85,7 @@ class SmgPolicy(Policy):
     def _rebalance(self, now: float) -> list[Move]:
         """No moves; only requests held while no replica was healthy are routed now."""
         moves: list[Move] = []
-        for p in self._held_programs():
+        for p in self.every_held():
             moves += self._admit(p, now)
         return moves
 
@@ -115,15 +115,15 @@ class ThunderAgentPolicy(Policy):
         """At once if nobody else is queued (FIFO fairness) and a backend has room; the
         backend with the fewest active tokens wins."""
         if p.placement.tier is Tier.GPU:
-            self._release(p, now)
+            self.release(p, now)
             return []
-        if len(self._held_programs()) > 1:
+        if len(self.every_held()) > 1:
             return []
         fits = [r for r in self.tiers.replicas() if self.remaining(r) >= self.cost(p)]
         if not fits:
             return []
         replica = min(fits, key=lambda r: self.tiers.used(Placement(Tier.GPU, r)))
-        return [self._move(p, Placement(Tier.GPU, replica), MoveReason.ADMIT, now)]
+        return [self.move(p, Placement(Tier.GPU, replica), MoveReason.ADMIT, now)]
 
     def _rebalance(self, now: float) -> list[Move]:
         moves: list[Move] = []
@@ -146,7 +146,7 @@ class ThunderAgentPolicy(Policy):
                 break
             if p.status is Status.ACTING:
                 excess -= self.tiers.freed_by(p) + TA_PROGRAM_OVERHEAD
-                moves.append(self._move(p, WAITING, MoveReason.PAUSE, now))
+                moves.append(self.move(p, WAITING, MoveReason.PAUSE, now))
         for p in members:
             if excess <= 0:
                 break
@@ -159,7 +159,7 @@ class ThunderAgentPolicy(Policy):
         """Returning programs then new ones, each smallest first; take what fits in the
         total free room, then place largest first on the tightest backend (true best fit,
         as in SMG's port; ThunderAgent's Python picks the roomiest)."""
-        held = self._held_programs()
+        held = self.every_held()
         free = {r: self.remaining(r) for r in self.tiers.replicas()}
         if not held or not free:
             return []
@@ -185,7 +185,7 @@ class ThunderAgentPolicy(Policy):
         fits = [r for r in free if free[r] >= self.cost(p)]
         if fits:
             replica = min(fits, key=lambda r: (free[r], r != p.last_replica))
-            moves.append(self._move(p, Placement(Tier.GPU, replica), MoveReason.RESUME, now))
+            moves.append(self.move(p, Placement(Tier.GPU, replica), MoveReason.RESUME, now))
             # the tier's own count: a segment the replica holds already is not paid twice
             free[replica] = self.remaining(replica)
 

@@ -1,4 +1,4 @@
-"""CacheSage (§3) on the agent runtime layer, and `mori+cachesage`: MORI with it.
+"""CacheSage (§3) on the agent runtime layer, and its engine stage (`mori+cachesage`).
 
 Multi-agent apps re-send each agent role's *anchor* (system prompt + tools + few-shots) at
 the start of every session of the role; which role runs next is predictable from the one
@@ -24,10 +24,8 @@ and warms nothing, and the engine's order is MORI's typed LRU unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from router.policy.base import PolicyConfig
-from router.policy.mori import MoriPolicy
 from router.policy.program import Program
 from router.policy.runtime import (
     Action,
@@ -43,6 +41,9 @@ from router.policy.runtime import (
 )
 from router.policy.transitions import TransitionLearner
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
+
+if TYPE_CHECKING:
+    from router.policy.engine import MoriEngine
 
 HORIZON_TURNS = 2  # survival: P(the role speaks within this many turns of a session)
 ODDS_MAX = 0.5  # hand-over room: only programs less likely than this to speak soon move
@@ -226,57 +227,41 @@ def _moved(old: dict[str, float], new: dict[str, float]) -> bool:
     return any(abs(new[a] - old[a]) > SCORE_STEP for a in new)
 
 
-class CacheSagePolicy(MoriPolicy):
-    """MORI's tiers and typed hints, with CacheSage on the runtime layer beside them.
-
-    One placement rule of its own (predict + act on MORI's tiers): a held request that
-    MORI's own rules left waiting may take GPU room from ACTING programs of its replica
-    that will not speak soon, least likely first: those of a session with a request held
-    at the gate (they wait for that turn to end) and, once the structure is learnt, those
-    whose turn odds are below `ODDS_MAX`; they go to CPU (hint idle) or WAITING as any
-    demotion does. In a
-    multi-agent task every role waits for the others' turns: without it, a role's first
-    turn can wait behind the GPU room of roles that are themselves waiting for that turn.
+class HandOver:
+    """CacheSage on the runtime layer beside MORI's tiers and typed hints, and one
+    placement rule of its own (predict + act on MORI's tiers): a held request that the
+    engine's rules left waiting may take GPU room from ACTING programs of its replica that
+    will not speak soon, least likely first: those of a session with a request held at the
+    gate (they wait for that turn to end) and, once the structure is learnt, those whose
+    turn odds are below `ODDS_MAX`; they go to CPU (hint idle) or WAITING as any demotion
+    does. In a multi-agent task every role waits for the others' turns: without it, a
+    role's first turn can wait behind the GPU room of roles that are themselves waiting
+    for that turn.
     """
 
-    name = "mori+cachesage"
-
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        super().__init__(config)
-        self.cachesage = CacheSage(self._replica_of, self.tiers.replicas)
-        self.runtime = AgentRuntime([TypedHints(self), self.cachesage])
+    def __init__(self, engine: MoriEngine) -> None:
+        self.engine = engine
+        self.cachesage = CacheSage(self._replica_of, engine.tiers.replicas)
+        self.runtime = AgentRuntime([TypedHints(engine), self.cachesage])
 
     def _replica_of(self, program_id: str) -> str | None:
-        p = self.programs.get(program_id)
+        p = self.engine.programs.get(program_id)
         return None if p is None else (p.placement.replica or p.last_replica)
-
-    # the shells' hooks (simulator, router) -------------------------------------------------
-    def observe(self, event: AgentEvent) -> None:
-        """A request's agent identity and session, before `on_request` (see the shells)."""
-        self.runtime.observe(event)
 
     def runtime_actions(self, now: float) -> list[Action]:
         """Scores to push and anchors to warm (the engine takes a warm-up only when no
         request waits in it, and only room eviction would free before the anchor)."""
         return self.runtime.act(now)
 
+    def ended(self, program_id: str, now: float) -> None:
+        self.runtime.observe(AgentEvent(EventKind.END, now, program_id))
+
     # hand-over room ------------------------------------------------------------------------
-    def on_request(
-        self, program_id: str, now: float, context_tokens: int | None = None
-    ) -> list[Move]:
-        moves = super().on_request(program_id, now, context_tokens)
-        return moves + self._make_room(now)
-
-    def _after_response(self, p: Program, now: float) -> list[Move]:
-        return super()._after_response(p, now) + self._make_room(now)
-
-    def tick(self, now: float) -> list[Move]:
-        return super().tick(now) + self._make_room(now)
-
-    def _make_room(self, now: float) -> list[Move]:
+    def make_room(self, now: float) -> list[Move]:
         """Room for the oldest held request that fits nowhere, from ACTING programs
-        predicted not to speak soon (see the class docstring); then MORI promotes."""
-        held = self._held_programs()
+        predicted not to speak soon (see the class docstring); then the engine promotes."""
+        engine = self.engine
+        held = engine.held_programs()
         if not held:
             return []
         cs = self.cachesage
@@ -287,26 +272,27 @@ class CacheSagePolicy(MoriPolicy):
             if replica is None:
                 continue
             gpu = Placement(Tier.GPU, replica)
-            need = q.context_tokens - self.tiers.free(gpu)
+            need = q.context_tokens - engine.tiers.free(gpu)
             victims = self._unlikely(gpu, need, waiting) if need > 0 else []
             if victims:
                 cpu = Placement(Tier.CPU, replica)
                 moves = [
-                    self._move(p, self._fit_or_waiting(cpu, p), MoveReason.DEMOTE, now)
+                    engine.move(p, engine.fit_or_waiting(cpu, p), MoveReason.DEMOTE, now)
                     for p in victims
                 ]
-                return moves + self._promote(now)
+                return moves + engine.promote(now)
         return []
 
     def _target(self, q: Program) -> str | None:
         """The replica a held program would run on: its CPU tier's, else its last one,
         else the one with the most free GPU room."""
+        tiers = self.engine.tiers
         if q.placement.tier is Tier.CPU:
             return q.placement.replica
-        replicas = self.tiers.replicas()
+        replicas = tiers.replicas()
         if q.last_replica in replicas:
             return q.last_replica
-        return max(replicas, key=lambda r: self.tiers.free(Placement(Tier.GPU, r)), default=None)
+        return max(replicas, key=lambda r: tiers.free(Placement(Tier.GPU, r)), default=None)
 
     def _unlikely(self, gpu: Placement, need: int, waiting: dict) -> list[Program]:
         """ACTING programs on `gpu` freeing `need` tokens, least likely to speak first
@@ -316,7 +302,7 @@ class CacheSagePolicy(MoriPolicy):
         is learnt); the session's root speaks right after it and stays."""
         cs = self.cachesage
         pool = []
-        for p in self.tiers.members(gpu):
+        for p in self.engine.tiers.members(gpu):
             pid = p.program_id
             session = cs.session_of.get(pid)
             if p.status is not Status.ACTING or pid == session:
@@ -337,20 +323,11 @@ class CacheSagePolicy(MoriPolicy):
             need -= p.context_tokens
         return chosen if need <= 0 else []
 
-    # events the policy sees itself -----------------------------------------------------------
-    def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
-        self.runtime.observe(AgentEvent(EventKind.END, now, program_id))
-        return super().end(program_id, now, reason)
-
-    def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
-        """Adds the agent CacheSage knows the program as, and its session's next-agent
+    def describe(self, p: Program, view: dict[str, Any], now: float) -> None:
+        """The agent CacheSage knows the program as, and its session's next-agent
         forecast."""
-        view = super().describe(program_id, now)
-        if view is None:
-            return None
         cs = self.cachesage
-        view["agent"] = cs.agent_of.get(program_id, view.get("agent"))
-        session = cs.session_of.get(program_id)
+        view["agent"] = cs.agent_of.get(p.program_id, view.get("agent"))
+        session = cs.session_of.get(p.program_id)
         view["session"] = session
         view["predicted_next_agent"] = cs.predict(now).get(session) if session else None
-        return view

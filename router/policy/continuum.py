@@ -32,7 +32,7 @@ import math
 from bisect import bisect_right
 from collections import deque
 
-from router.policy.base import Policy, PolicyConfig
+from router.policy.base import Capabilities, Policy, PolicyConfig
 from router.policy.program import Program
 from router.policy.types import WAITING, EngineMode, Move, MoveReason, Placement, Status, Tier
 
@@ -46,6 +46,7 @@ class ContinuumPolicy(Policy):
     """TTL pinning through tool calls plus program-level FCFS (Continuum v6)."""
 
     name = "continuum"
+    capabilities = Capabilities(wakeups=True)  # its pins end on a clock (`next_wakeup`)
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
@@ -145,7 +146,7 @@ class ContinuumPolicy(Policy):
 
     def next_wakeup(self, now: float) -> float | None:
         """The next pin to expire, while requests wait for room (the shell ticks then)."""
-        if not self._held_programs():
+        if not self.every_held():
             return None
         future = [t for t in self.pins.values() if t > now + _EPS]
         return min(future) if future else None
@@ -197,7 +198,7 @@ class ContinuumPolicy(Policy):
     # scheduling --------------------------------------------------------------------------------
     def _schedule(self, now: float) -> list[Move]:
         moves: list[Move] = []
-        held = self._held_programs()
+        held = self.every_held()
         waiting = {p.program_id for p in held}
         for pid, deadline in list(self.pins.items()):
             p = self.programs[pid]
@@ -205,7 +206,7 @@ class ContinuumPolicy(Policy):
                 moves += self._unpin(p, now)
         for p in held:
             if p.placement.tier is Tier.GPU and p.pending:  # still pinned: straight in
-                self._release(p, now)
+                self.release(p, now)
         blocked: set[str] = set()  # replicas whose queue head does not fit
         for p in sorted(held, key=lambda q: (q.program_id not in self.pins, q.created_s)):
             if not p.pending or p.placement.tier is Tier.GPU:
@@ -239,7 +240,7 @@ class ContinuumPolicy(Policy):
         if not self.tiers.fits(gpu, p.context_tokens):
             return False, moves
         reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
-        return True, [*moves, self._move(p, gpu, reason, now)]
+        return True, [*moves, self.move(p, gpu, reason, now)]
 
     def _replica_of(self, p: Program, blocked: set[str]) -> str | None:
         """Sticky: the program's replica while healthy; a new one, at its turn, goes to the
@@ -256,7 +257,7 @@ class ContinuumPolicy(Policy):
         self.pins.pop(p.program_id, None)
         if p.placement.tier is not Tier.GPU or p.status is not Status.ACTING:
             return []
-        return [self._move(p, WAITING, MoveReason.DEMOTE, now)]
+        return [self.move(p, WAITING, MoveReason.DEMOTE, now)]
 
     # statistics --------------------------------------------------------------------------------
     def _record(self, tool: str, duration_s: float) -> None:

@@ -1,5 +1,5 @@
-"""Tokencake's space scheduler (§5): `mori+space` (on top of `mori`) and
-`mori-priced+space` (on top of `mori-priced`).
+"""Tokencake's space scheduler (§5), an engine stage: `mori+space` (`mori` with it) and
+`mori-priced+space` (`mori-priced` with it).
 
 `mori` already carries Tokencake's *time* scheduler (offload at tool start when the
 window pays, predictive load-back: `router.policy.mori`), so `mori+space` is Tokencake's
@@ -47,16 +47,15 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.policy.app_graph import AppGraphs, Shape, check_edges
-from router.policy.base import PolicyConfig
-from router.policy.mori import MoriPolicy
-from router.policy.mori_paper import Classes, Idleness
-from router.policy.priced import PricedPolicy
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities
-from router.policy.types import Move, MoveReason, Placement, Status, Tier
+from router.policy.types import Move, Placement, Status, Tier
+
+if TYPE_CHECKING:
+    from router.policy.engine import MoriEngine
 
 
 def static_priority(shape: Shape | None, w_static: float) -> float:
@@ -82,12 +81,11 @@ class Partition:
     reserve: dict[str, int] = field(default_factory=dict)  # critical type -> tokens
 
 
-class SpaceScheduler(PricedPolicy):
-    """Tokencake's space scheduler over a MORI policy (see the module docstring); the
-    registered policies below put it in front of `mori` or `mori-priced`."""
+class SpaceScheduler:
+    """Tokencake's space scheduler, a stage of the engine (see the module docstring)."""
 
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(self, engine: MoriEngine) -> None:
+        self.engine = engine
         self.graphs = AppGraphs()
         self.partitions: dict[str, Partition] = {}
         self.critical: frozenset[str] = frozenset()
@@ -116,9 +114,10 @@ class SpaceScheduler(PricedPolicy):
         the critical types when they change."""
         if not self._unpushed and self.critical == self._pushed_critical:
             return []
+        programs = self.engine.programs
         per: dict[str, tuple[dict[str, float], dict[str, str]]] = defaultdict(lambda: ({}, {}))
         for pid in list(self._unpushed):
-            p = self.programs.get(pid)
+            p = programs.get(pid)
             replica = None if p is None else p.placement.replica or p.last_replica
             kind = self.graphs.agent_type(pid)
             if p is None or kind is None:
@@ -129,7 +128,7 @@ class SpaceScheduler(PricedPolicy):
                 self._unpushed.pop(pid, None)
         changed = self.critical != self._pushed_critical
         self._pushed_critical = self.critical
-        replicas = self.tiers.replicas() if changed else list(per)
+        replicas = self.engine.tiers.replicas() if changed else list(per)
         return [
             PushPriorities(r, per[r][0], per[r][1], self.critical if changed else None)
             for r in replicas
@@ -137,7 +136,7 @@ class SpaceScheduler(PricedPolicy):
 
     # priorities -------------------------------------------------------------------------
     def static(self, program_id: str) -> float:
-        return static_priority(self.graphs.shape(program_id), self.config.w_static)
+        return static_priority(self.graphs.shape(program_id), self.engine.config.w_static)
 
     def priority(self, p: Program, now: float) -> float:
         """Hybrid priority of `p`'s held request (0 for programs of no app)."""
@@ -146,26 +145,10 @@ class SpaceScheduler(PricedPolicy):
         wait = now - p.last_active_s if p.pending else 0.0
         return self.static(p.program_id) + dynamic_priority(wait, p.context_tokens)
 
-    def _order_classes(self, classes: Classes, idleness: Idleness, now: float) -> None:
-        """MORI's order within each class, hybrid priority first (a client's agent-hint
-        priority still goes before it: the promotion pass sorts by that last)."""
-        super()._order_classes(classes, idleness, now)
-        for group in classes:
-            group.sort(key=lambda p: -self.priority(p, now))  # stable: MORI's order in ties
-
-    def _rank(self, now: float):
-        base = super()._rank(now)
-
-        def rank(p: Program) -> tuple:
-            key = base(p)
-            return (*key[:2], -self.priority(p, now), *key[2:])  # after the client's priority
-
-        return rank
-
     # the reserved pool --------------------------------------------------------------------
     def _usage_by_type(self, replica: str) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
-        for p in self.tiers.members(Placement(Tier.GPU, replica)):
+        for p in self.engine.tiers.members(Placement(Tier.GPU, replica)):
             kind = self.graphs.agent_type(p.program_id)
             if kind is not None:
                 out[kind] += p.context_tokens
@@ -173,29 +156,26 @@ class SpaceScheduler(PricedPolicy):
 
     def unused_reserve(self, replica: str, but: str | None = None) -> int:
         """Reserved tokens on `replica` that their types' own programs do not use (of every
-        critical type but `but`)."""
+        critical type but `but`): no ordinary promotion takes room held for a critical
+        agent type (the engine adds it to its promotion reserve)."""
         part = self.partitions.get(replica)
         if part is None or not part.reserve:
             return 0
         used = self._usage_by_type(replica)
         return sum(max(0, n - used.get(t, 0)) for t, n in part.reserve.items() if t != but)
 
-    def promotion_reserve(self, replica: str) -> int:
-        """MORI's growth reserve plus the reserved pool's unused part: no ordinary
-        promotion takes room held for a critical agent type."""
-        return super().promotion_reserve(replica) + self.unused_reserve(replica)
-
     def update_partitions(self, now: float) -> None:
-        """Algorithm 2: critical types, then per replica the pool's size and split."""
-        cfg = self.config
+        """Algorithm 2 (every tick): critical types, then per replica the pool's size and
+        split."""
+        cfg, tiers = self.engine.config, self.engine.tiers
         scores = self._type_scores(now)
         k = min(len(scores), math.ceil(cfg.critical_ratio * len(scores)))
         ranked = sorted(scores, key=lambda t: (-scores[t], t))
         self.critical = frozenset(ranked[:k])
         total_score = sum(scores[t] for t in self.critical) or 1.0
-        for r in self.tiers.replicas():
+        for r in tiers.replicas():
             part = self.partitions.setdefault(r, Partition())
-            budget = self.tiers.budget(Placement(Tier.GPU, r))
+            budget = tiers.budget(Placement(Tier.GPU, r))
             used = self._usage_by_type(r)
             a = cfg.ewma_alpha
             for t in set(part.usage) | set(used):
@@ -205,7 +185,7 @@ class SpaceScheduler(PricedPolicy):
             if not self.critical:
                 part.ratio, part.reserve = 0.0, {}
                 continue
-            pressure = self.tiers.used(Placement(Tier.GPU, r)) / budget if budget else 0.0
+            pressure = tiers.used(Placement(Tier.GPU, r)) / budget if budget else 0.0
             if pressure >= cfg.gpu_usage_high:
                 part.ratio = min(cfg.reserve_max, part.ratio + cfg.reserve_step)
             elif pressure <= cfg.gpu_usage_low:
@@ -220,7 +200,7 @@ class SpaceScheduler(PricedPolicy):
         """Live agent types: static priority plus their most urgent held request's wait
         term."""
         scores: dict[str, float] = {}
-        for p in self.programs.values():
+        for p in self.engine.programs.values():
             kind = self.graphs.agent_type(p.program_id)
             if kind is None:
                 continue
@@ -230,19 +210,17 @@ class SpaceScheduler(PricedPolicy):
         return scores
 
     # promotion ------------------------------------------------------------------------
-    def _rebalance(self, now: float) -> list[Move]:
-        self.update_partitions(now)
-        return super()._rebalance(now)
-
-    def _promote(self, now: float, displace: bool = False) -> list[Move]:
+    def promote(self, now: float, displace: bool = False) -> list[Move]:
+        """Critical agents first, then the engine's promotion."""
+        engine = self.engine
         moves = self._promote_critical(now)
-        batch = super()._promote(now, displace)
+        batch = engine.promote_held(now, displace)
         while any(self._took_own_reserve(m) for m in batch):
-            # MORI's pass holds each replica's reserve fixed while it packs; a critical
-            # program it placed now fills its type's reservation, and the part it used
-            # is shared room again for the requests still held
+            # the engine's pass holds each replica's reserve fixed while it packs; a
+            # critical program it placed now fills its type's reservation, and the part it
+            # used is shared room again for the requests still held
             moves += batch
-            batch = super()._promote(now)
+            batch = engine.promote_held(now)
         return moves + batch
 
     def _took_own_reserve(self, move: Move) -> bool:
@@ -254,12 +232,12 @@ class SpaceScheduler(PricedPolicy):
     def _promote_critical(self, now: float) -> list[Move]:
         """Held requests of critical types that the shared room cannot take, highest
         priority first, into their own reservation, reclaiming it from non-critical ACTING
-        programs if needed (what fits the shared room goes through MORI's pass)."""
+        programs if needed (what fits the shared room goes through the engine's pass)."""
         if not self.critical:
             return []
         held = [
             p
-            for p in self._every_held()  # starts at mori's door too: the room is theirs
+            for p in self.engine.every_held()  # starts at the door too: the room is theirs
             if p.placement.tier is not Tier.GPU
             and self.graphs.agent_type(p.program_id) in self.critical
         ]
@@ -274,21 +252,23 @@ class SpaceScheduler(PricedPolicy):
         return moves
 
     def _targets(self, p: Program) -> list[str]:
+        tiers = self.engine.tiers
         if p.placement.tier is Tier.CPU:
-            return [p.placement.replica] if self.tiers.healthy.get(p.placement.replica) else []  # type: ignore[arg-type,list-item]
-        replicas = self.tiers.replicas()
-        order = sorted(replicas, key=lambda r: -self.tiers.free(Placement(Tier.GPU, r)))
+            return [p.placement.replica] if tiers.healthy.get(p.placement.replica) else []  # type: ignore[arg-type,list-item]
+        replicas = tiers.replicas()
+        order = sorted(replicas, key=lambda r: -tiers.free(Placement(Tier.GPU, r)))
         return [p.last_replica, *order] if p.last_replica in replicas else order
 
     def _place_critical(self, p: Program, replica: str, now: float) -> list[Move]:
+        engine = self.engine
         kind = self.graphs.agent_type(p.program_id)
         gpu = Placement(Tier.GPU, replica)
         others = self.unused_reserve(replica, but=kind)
         own = self.unused_reserve(replica) - others
-        room = self.tiers.free(gpu) - self.growth_band(replica) - others
+        room = engine.tiers.free(gpu) - engine.growth_band(replica) - others
         shared = room - own
         if own <= 0 or p.context_tokens <= shared:
-            return []  # no reservation to use, or MORI's pass places it
+            return []  # no reservation to use, or the engine's pass places it
         if p.context_tokens > max(0, shared) + own:
             return []  # more than the shared room and its reservation together
         victims: list[Program] = []
@@ -296,49 +276,39 @@ class SpaceScheduler(PricedPolicy):
             victims = self._reclaim(replica, p.context_tokens - room, now)
             if not victims:
                 return []
-        return self._swap_in(p, replica, victims, {replica: room}, now)
+        return engine.swap_in(p, replica, victims, {replica: room}, now)
 
     def _reclaim(self, replica: str, need: int, now: float) -> list[Program]:
         """Non-critical ACTING programs of GPU(replica) freeing `need` tokens, lowest
         static priority and farthest expected return first; [] if they cannot."""
+        engine = self.engine
+        protected = engine.timed.protected_until if engine.timed else {}
         pool = [
             q
-            for q in self.tiers.members(Placement(Tier.GPU, replica))
+            for q in engine.tiers.members(Placement(Tier.GPU, replica))
             if q.status is Status.ACTING
             and q.demote_after_step is None
-            and q.program_id not in getattr(self, "protected_until", ())
+            and q.program_id not in protected
             and self.graphs.agent_type(q.program_id) not in self.critical
         ]
-        pool.sort(key=lambda q: (self.static(q.program_id), -self.expected_idle_s(q, now)))
-        return self.tiers.enough(pool, need)
+        expected_idle_s = engine.forecast.expected_idle_s  # type: ignore[union-attr]
+        pool.sort(key=lambda q: (self.static(q.program_id), -expected_idle_s(q, now)))
+        return engine.tiers.enough(pool, need)
 
     # program events ---------------------------------------------------------------------
-    def on_response(
-        self, program_id: str, now: float, context_tokens: int | None = None
-    ) -> list[Move]:
-        self.graphs.observe_response(program_id)
-        return super().on_response(program_id, now, context_tokens)
-
-    def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
-        moves = super().end(program_id, now, reason)
+    def forget(self, program_id: str) -> None:
         self.graphs.forget(program_id)
         self._unpushed.pop(program_id, None)
-        return moves + self._promote(now)  # the pool's share for it is free room now
 
-    def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
-        """Adds the program's app graph position, priorities and whether it is critical."""
-        view = super().describe(program_id, now)
-        p = self.programs.get(program_id)
-        if view is None or p is None:
-            return view
-        kind = self.graphs.agent_type(program_id)
-        shape = self.graphs.shape(program_id)
+    def describe(self, p: Program, view: dict[str, Any], now: float) -> None:
+        """The program's app graph position, priorities and whether it is critical."""
+        kind = self.graphs.agent_type(p.program_id)
+        shape = self.graphs.shape(p.program_id)
         view["agent_type"] = kind
         view["depth"] = shape.depth if shape else None
         view["out_degree"] = shape.out_degree if shape else None
         view["priority"] = round(self.priority(p, now), 3)
         view["critical"] = kind in self.critical if kind else False
-        return view
 
     def space_view(self) -> dict[str, Any]:
         """The critical types and each replica's pool (for the admin API)."""
@@ -350,15 +320,3 @@ class SpaceScheduler(PricedPolicy):
                 for r, part in self.partitions.items()
             },
         }
-
-
-class SpacePolicy(SpaceScheduler, MoriPolicy):
-    """`mori` (priced displacement + Tokencake's time scheduler) plus the space scheduler."""
-
-    name = "mori+space"
-
-
-class PricedSpacePolicy(SpaceScheduler):
-    """`mori-priced` plus the space scheduler (no time scheduler)."""
-
-    name = "mori-priced+space"

@@ -1,4 +1,5 @@
-"""`mori+tokendance`: collective scheduling of All-Gather rounds (TokenDance §4.2, exact mode).
+"""Gangs: collective scheduling of All-Gather rounds (TokenDance §4.2, exact mode), the
+engine stage of `mori+tokendance`.
 
 `mori` places programs one by one. An All-Gather round is a unit: it ends when its last
 agent answers, its agents share the start of their prompts (the app's system prompt, the
@@ -37,15 +38,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from router.policy.base import PolicyConfig
-from router.policy.mori import MoriPolicy
-from router.policy.priced import spread_order
+from router.policy.placement import spread_order
 from router.policy.program import Program
 from router.policy.rounds import Round
 from router.policy.runtime import PushScores
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
+
+if TYPE_CHECKING:
+    from router.policy.engine import MoriEngine
 
 SERVICE_ALPHA = 0.2  # weight of the newest round's service time
 DEFAULT_SERVICE_S = 2.0  # a round's service time assumed before any was measured
@@ -60,15 +62,14 @@ class _Held:
     pids: dict[str, None] = field(default_factory=dict)
 
 
-class TokenDancePolicy(MoriPolicy):
-    """MORI with collective scheduling of All-Gather rounds (module docstring)."""
+class Gangs:
+    """Rounds released, placed and kept together (module docstring)."""
 
-    name = "mori+tokendance"
-
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(self, engine: MoriEngine) -> None:
+        self.engine = engine
+        self.rounds = engine.rounds
         self._held_rounds: dict[str, _Held] = {}  # round id -> its held requests
-        self._gang: dict[str, str] = {}  # program held by a round -> the round
+        self.gang: dict[str, str] = {}  # program held by a round -> the round
         self._running: dict[str, tuple[float, set[str]]] = {}  # round -> (released, left)
         self.service_s = DEFAULT_SERVICE_S  # EWMA: a round's release to its last answer
         self._ended: dict[str, float] = {}  # round -> its last answer (until the next opens)
@@ -79,27 +80,22 @@ class TokenDancePolicy(MoriPolicy):
         self._agents_due: dict[str, dict[str, str]] = {}  # replica -> program -> group
         self.collective = Counter()  # what the collective pass did, for reports
 
-    @property
-    def bounded(self) -> bool:
-        """Rounds are their own valve: a round's agents are let in together, and a round
-        that waited long makes others yield at round boundaries (`round_yield_x`), so
-        `mori`'s door and wait bound are not applied on top."""
-        return False
-
     # events ------------------------------------------------------------------------------
-    def _admit(self, p: Program, now: float) -> list[Move]:
-        """Every arrival runs both passes, MORI's and the collective one: time has passed,
-        so a held request may leave its replica (ski rental) or a round's wait may be up."""
+    def admit(self, p: Program, now: float) -> list[Move]:
+        """Every arrival runs both passes, the engine's and the collective one: time has
+        passed, so a held request may leave its replica (ski rental) or a round's wait may
+        be up."""
+        engine = self.engine
         rnd = self.rounds.round_of(p.program_id)
         if rnd is None or not self._collective(rnd):
-            return super()._admit(p, now) + self._schedule(now)
+            return engine.admit_one(p, now) + self.schedule(now)
         if rnd.round_id not in self._held_rounds:
             self._note_gap(p.program_id, now)
         held = self._held_rounds.setdefault(rnd.round_id, _Held(now, now))
         held.last_s = now
         held.pids[p.program_id] = None
-        self._gang[p.program_id] = rnd.round_id
-        return self._promote(now) + self._schedule(now)
+        self.gang[p.program_id] = rnd.round_id
+        return engine.promote(now) + self.schedule(now)
 
     def _note_gap(self, program_id: str, now: float) -> None:
         """A round opens: the time since its agents' previous round ended is one more sample
@@ -113,14 +109,8 @@ class TokenDancePolicy(MoriPolicy):
         """Rounds the application names, and inferred ones with two or more agents."""
         return rnd.explicit or len(self.rounds.expected(rnd)) > 1
 
-    def _held_programs(self) -> list[Program]:
-        """MORI's passes see the requests no round holds."""
-        held = super()._held_programs()
-        return [p for p in held if p.program_id not in self._gang]
-
-    def on_response(
-        self, program_id: str, now: float, context_tokens: int | None = None
-    ) -> list[Move]:
+    def answered(self, program_id: str, now: float) -> None:
+        """A member answered: the round's service time is measured at its last answer."""
         rnd = self.rounds.current.get(program_id)
         running = self._running.get(rnd) if rnd is not None else None
         if running is not None:
@@ -130,67 +120,48 @@ class TokenDancePolicy(MoriPolicy):
                 a = SERVICE_ALPHA
                 self.service_s = a * (now - running[0]) + (1 - a) * self.service_s
                 self._ended[rnd] = now  # type: ignore[index]
-        return super().on_response(program_id, now, context_tokens)
 
-    def _after_response(self, p: Program, now: float) -> list[Move]:
-        return super()._after_response(p, now) + self._schedule(now)
-
-    def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
-        self._gang.pop(program_id, None)
+    def forget(self, program_id: str) -> None:
+        """`program_id` ends (before the engine forgets it)."""
+        self.gang.pop(program_id, None)
         self._group.pop(program_id, None)
         self._group_on.pop(program_id, None)
         for _, left in self._running.values():
             left.discard(program_id)
-        moves = super().end(program_id, now, reason)
-        for book in (self._running, self._ended):  # rounds nobody is in any more
+
+    def after_end(self, now: float) -> list[Move]:
+        """Rounds nobody is in any more are dropped; ready rounds are scheduled."""
+        for book in (self._running, self._ended):
             for round_id in [r for r in book if r not in self.rounds.rounds]:
                 del book[round_id]
-        return moves + self._schedule(now)
+        return self.schedule(now)
 
-    def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Move]:
-        """A drained replica's round members are re-placed at once too (a recovery is a
-        rebalance, which runs the collective pass)."""
-        moves = super().set_healthy(replica, healthy, now)
-        return moves if healthy else moves + self._schedule(now)
-
-    def cancel(self, program_id: str, now: float) -> list[Move]:
-        self._gang.pop(program_id, None)
-        return super().cancel(program_id, now)
-
-    def _rebalance(self, now: float) -> list[Move]:
-        return super()._rebalance(now) + self._schedule(now)
-
-    def _demote(self, replica: str | None, now: float) -> list[Move]:
-        """MORI's demotion, then, while GPU(replica) is still over budget, round members
-        held on it: MORI passes over them (neither acting nor reasoning), and held, they
-        run no step, so they move now and wait for their round on the CPU tier."""
-        moves = super()._demote(replica, now)
-        if replica is None:
-            return moves
+    def demote_held(self, replica: str, now: float) -> list[Move]:
+        """While GPU(replica) is still over budget after the engine's demotion, round
+        members held on it: the engine passes over them (neither acting nor reasoning), and
+        held, they run no step, so they move now and wait for their round on the CPU tier."""
+        engine, tiers = self.engine, self.engine.tiers
         gpu = Placement(Tier.GPU, replica)
-        excess = self.tiers.used(gpu) - self.pending_lazy_tokens(replica) - self.tiers.budget(gpu)
-        held = [q for q in self.tiers.members(gpu) if q.pending and q.program_id in self._gang]
+        excess = tiers.used(gpu) - engine.pending_lazy_tokens(replica) - tiers.budget(gpu)
+        held = [q for q in tiers.members(gpu) if q.pending and q.program_id in self.gang]
         cpu = Placement(Tier.CPU, replica)
-        for q in sorted(held, key=self._ranking(now), reverse=True):
+        moves = []
+        for q in sorted(held, key=engine.ranking(now), reverse=True):
             if excess <= 0:
                 break
-            excess -= self.tiers.freed_by(q)
-            moves.append(self._move(q, self._fit_or_waiting(cpu, q), MoveReason.DEMOTE, now))
+            excess -= tiers.freed_by(q)
+            moves.append(engine.move(q, engine.fit_or_waiting(cpu, q), MoveReason.DEMOTE, now))
         return moves
 
-    def next_wakeup(self, now: float) -> float | None:
-        """Also when a held round's wait for its missing members is up."""
-        times = [t for t in (super().next_wakeup(now),) if t is not None]
-        gang = self.config.round_gang_s
+    def deadlines(self, now: float) -> list[float]:
+        """When a held round's wait for its missing members is up."""
+        gang = self.engine.config.round_gang_s
+        times = []
         for round_id, held in self._held_rounds.items():
             rnd = self.rounds.rounds.get(round_id)
             if rnd is not None and not self._complete(rnd) and held.last_s + gang > now:
                 times.append(held.last_s + gang)
-        return min(times) if times else None
-
-    def tick(self, now: float) -> list[Move]:
-        """A wake-up for a round's deadline schedules rounds even between MORI's ticks."""
-        return super().tick(now) + self._schedule(now)
+        return times
 
     # the collective pass -----------------------------------------------------------------
     def _complete(self, rnd: Round) -> bool:
@@ -202,25 +173,26 @@ class TokenDancePolicy(MoriPolicy):
     def _ready(self, now: float) -> list[tuple[str, _Held, list[Program]]]:
         """Held rounds whose members are all here (or whose wait is up), oldest first;
         requests that left (cancelled, ended) drop out."""
+        programs = self.engine.programs
         out = []
         for round_id, held in list(self._held_rounds.items()):
-            members = [self.programs[pid] for pid in held.pids if self._is_held(pid, round_id)]
+            members = [programs[pid] for pid in held.pids if self._is_held(pid, round_id)]
             held.pids = {p.program_id: None for p in members}
             if not members:
                 del self._held_rounds[round_id]
                 continue
             rnd = self.rounds.rounds.get(round_id)
-            waited = now >= held.last_s + self.config.round_gang_s
+            waited = now >= held.last_s + self.engine.config.round_gang_s
             if rnd is None or self._complete(rnd) or waited:
                 out.append((round_id, held, members))
         out.sort(key=lambda e: e[1].opened_s)
         return out
 
     def _is_held(self, pid: str, round_id: str) -> bool:
-        p = self.programs.get(pid)
-        return p is not None and p.pending and self._gang.get(pid) == round_id
+        p = self.engine.programs.get(pid)
+        return p is not None and p.pending and self.gang.get(pid) == round_id
 
-    def _schedule(self, now: float) -> list[Move]:
+    def schedule(self, now: float) -> list[Move]:
         """Serve ready rounds oldest first: members resident on a GPU go at once (they hold
         their room either way); the others go together onto the round's replica when they
         fit there, after priced displacement if needed, else as many as fit, and the
@@ -238,13 +210,13 @@ class TokenDancePolicy(MoriPolicy):
                 continue
             for p in [p for p in members if p.placement.tier is Tier.GPU]:
                 if p.placement.replica not in starving:
-                    self._release(p, now)
+                    self.engine.release(p, now)
             movable = [p for p in members if p.pending and p.placement.tier is not Tier.GPU]
-            yielding = now - held.opened_s >= self.config.round_yield_x * self.service_s
+            yielding = now - held.opened_s >= self.engine.config.round_yield_x * self.service_s
             younger = [q for _, _, ms in ready[i + 1 :] for q in ms] if yielding else []
             groups = self._groups(movable, members, blocked)
             for replica, group in groups.items():
-                short = _need(group, replica, self) - self._free(replica)
+                short = _need(group, replica, self.engine) - self._free(replica)
                 if short > 0:
                     fresh = any(p.placement != Placement(Tier.CPU, replica) for p in group)
                     moves += self._make_room(replica, short, now, younger, yielding, fresh)
@@ -261,22 +233,25 @@ class TokenDancePolicy(MoriPolicy):
         return moves
 
     def _free(self, replica: str) -> int:
-        return self.tiers.free(Placement(Tier.GPU, replica)) - self.promotion_reserve(replica)
+        tiers = self.engine.tiers
+        return tiers.free(Placement(Tier.GPU, replica)) - self.engine.promotion_reserve(replica)
 
     def _too_large(self, members: list[Program]) -> bool:
-        """A round no replica could hold even empty goes through MORI member by member."""
-        budgets = [self.tiers.budget(Placement(Tier.GPU, r)) for r in self.tiers.replicas()]
-        return bool(budgets) and _need(members, None, self) > max(budgets)
+        """A round no replica could hold even empty goes through the engine member by
+        member."""
+        tiers = self.engine.tiers
+        budgets = [tiers.budget(Placement(Tier.GPU, r)) for r in tiers.replicas()]
+        return bool(budgets) and _need(members, None, self.engine) > max(budgets)
 
     def _split(self, round_id: str, members: list[Program], now: float) -> list[Move]:
         self.collective["split_rounds"] += 1
         self._held_rounds.pop(round_id, None)
         for p in members:
-            self._gang.pop(p.program_id, None)
+            self.gang.pop(p.program_id, None)
         moves: list[Move] = []
         for p in members:
             if p.pending:
-                moves += super()._admit(p, now)
+                moves += self.engine.admit_one(p, now)
         return moves
 
     def _groups(
@@ -288,16 +263,17 @@ class TokenDancePolicy(MoriPolicy):
         as MORI places it: its host KV's replica (`_away`: another if it shrank below it),
         else its last replica if it fits, else the roomiest (co-placing a round that shares
         little only piles its load onto one replica)."""
-        replicas = [r for r in self.tiers.replicas() if r not in blocked]
+        tiers, programs = self.engine.tiers, self.engine.programs
+        replicas = [r for r in tiers.replicas() if r not in blocked]
         if not movable or not replicas:
             return {}
         rnd = self.rounds.round_of(movable[0].program_id)
-        whole = [self.programs[q] for q in (rnd.members if rnd else ()) if q in self.programs]
+        whole = [programs[q] for q in (rnd.members if rnd else ()) if q in programs]
         if self._shares_enough(whole or members):
             return {self._plan(whole or movable, movable, replicas): movable}
         out: dict[str, list[Program]] = {}
         free = {r: self._free(r) for r in replicas}
-        agents = {r: self.tiers.count(Placement(Tier.GPU, r)) for r in replicas}
+        agents = {r: tiers.count(Placement(Tier.GPU, r)) for r in replicas}
         for p in sorted(movable, key=lambda p: -p.context_tokens):  # decreasing, as BFD
             if p.placement.tier is Tier.CPU:
                 away = self._away(p, free)
@@ -321,7 +297,8 @@ class TokenDancePolicy(MoriPolicy):
         (`mori`'s rule for its own requests), cost 22-25 % output tok/s at 6 tasks of the
         agentsociety preset, approximate mode (simulated, seeds 0 and 1)."""
         home: str = p.placement.replica  # type: ignore[assignment]
-        if home not in free or p.context_tokens <= self.tiers.budget(Placement(Tier.GPU, home)):
+        budget = self.engine.tiers.budget(Placement(Tier.GPU, home))
+        if home not in free or p.context_tokens <= budget:
             return {}
         return {r: room for r, room in free.items() if r != home}
 
@@ -341,7 +318,7 @@ class TokenDancePolicy(MoriPolicy):
         held = Counter(s.chain for p in members for s in p.shared)
         total = sum(p.context_tokens for p in members) or 1
         common = sum(s.tokens for p in members for s in p.shared if held[s.chain] > 1)
-        return common / total >= self.config.round_share_min
+        return common / total >= self.engine.config.round_share_min
 
     def _plan(self, whole: list[Program], members: list[Program], replicas: list[str]) -> str:
         """The replica for `members` of a round placed together: the one holding most of
@@ -352,7 +329,7 @@ class TokenDancePolicy(MoriPolicy):
             for p in whole
             if (p.placement.replica or p.last_replica) in replicas
         )
-        needs = {r: _need(members, r, self) for r in replicas}
+        needs = {r: _need(members, r, self.engine) for r in replicas}
         if home:
             top = home.most_common(1)[0][0]
             if needs[top] <= self._free(top):
@@ -378,23 +355,28 @@ class TokenDancePolicy(MoriPolicy):
         waited long enough (`yielding`) may move any ACTING program, then the `younger`
         rounds' requests held on this GPU. `fresh`: some of the round's KV is written to
         host anew (`victim_keeps_copy`)."""
+        engine = self.engine
+        forecast = engine.forecast
         gpu = Placement(Tier.GPU, replica)
-        margin = self.config.displace_margin
+        margin = engine.config.displace_margin
         priced: list[tuple[float, Program]] = []
-        for q in self.tiers.members(gpu):
+        for q in engine.tiers.members(gpu):
             if q.status is not Status.ACTING or q.pending or q.demote_after_step is not None:
                 continue
             idle = self._expected_back_s(q, now)
-            cost = self.move_cost_s(q, kept_on_host=self.victim_keeps_copy(q, fresh))
+            kept = forecast.victim_keeps_copy(q, fresh)  # type: ignore[union-attr]
+            cost = forecast.move_cost_s(q, kept_on_host=kept)  # type: ignore[union-attr]
             if yielding or idle >= margin * cost:
                 priced.append((idle, q))
         order = [q for _, q in sorted(priced, key=lambda e: -e[0])]
         order += [q for q in younger if q.placement == gpu and q.status is Status.GATED]
-        chosen = self.tiers.enough(order, short)
+        chosen = engine.tiers.enough(order, short)
         self.collective["displaced"] += sum(not q.pending for q in chosen)
         self.collective["yielded"] += sum(q.pending for q in chosen)
         cpu = Placement(Tier.CPU, replica)
-        return [self._move(q, self._fit_or_waiting(cpu, q), MoveReason.DEMOTE, now) for q in chosen]
+        return [
+            engine.move(q, engine.fit_or_waiting(cpu, q), MoveReason.DEMOTE, now) for q in chosen
+        ]
 
     def _expected_back_s(self, q: Program, now: float) -> float:
         """Seconds until an ACTING program's next request: the end of its round (its agents
@@ -409,34 +391,34 @@ class TokenDancePolicy(MoriPolicy):
         ended = self._ended.get(round_id) if round_id is not None else None
         if ended is not None:  # its round is over: back after the app's gap between rounds
             return max(0.0, ended + self.gap_s - now)
-        return self.expected_idle_s(q, now)
+        return self.engine.forecast.expected_idle_s(q, now)  # type: ignore[union-attr]
 
     def _place(self, movable: list[Program], replica: str, now: float) -> list[Move]:
         """Members with host KV back onto their replica when it has room, the rest onto
         `replica`, largest first while they fit."""
+        engine = self.engine
         moves: list[Move] = []
         for p in sorted(movable, key=lambda p: -p.context_tokens):
             target = self._home(p, replica)
             gpu = Placement(Tier.GPU, target)
-            if self.tiers.need(p, gpu) > self._free(target):
+            if engine.tiers.need(p, gpu) > self._free(target):
                 continue
             reason = (
                 MoveReason.PROMOTE_CPU
                 if p.placement.tier is Tier.CPU
                 else (MoveReason.PROMOTE_WAITING if p.steps else MoveReason.PROMOTE_NEW)
             )
-            moves.append(self._move(p, gpu, reason, now))
+            moves.append(engine.move(p, gpu, reason, now))
         return moves
 
     def _finish_release(self, round_id: str, now: float) -> None:
         """The whole round is through the gate: its agents are expected back when it
         ends, and its shared segments are kept resident."""
         rnd = self.rounds.rounds.get(round_id)
-        members = [
-            self.programs[pid] for pid in (rnd.members if rnd else ()) if pid in self.programs
-        ]
+        programs = self.engine.programs
+        members = [programs[pid] for pid in (rnd.members if rnd else ()) if pid in programs]
         for p in members:
-            self._gang.pop(p.program_id, None)
+            self.gang.pop(p.program_id, None)
         held = self._held_rounds.pop(round_id, None)
         opened = held.opened_s if held is not None else now
         busy = {p.program_id for p in members if p.status is Status.REASONING}
@@ -449,7 +431,7 @@ class TokenDancePolicy(MoriPolicy):
         round's."""
         if p.placement.tier is Tier.CPU:
             r: str = p.placement.replica  # type: ignore[assignment]
-            if self.tiers.need(p, Placement(Tier.GPU, r)) <= self._free(r):
+            if self.engine.tiers.need(p, Placement(Tier.GPU, r)) <= self._free(r):
                 return r
         return replica
 
@@ -479,7 +461,7 @@ class TokenDancePolicy(MoriPolicy):
         for replica in sorted(self._scores_due):
             groups = {
                 self._group[p.program_id]
-                for p in self.tiers.members(Placement(Tier.GPU, replica))
+                for p in self.engine.tiers.members(Placement(Tier.GPU, replica))
                 if p.program_id in self._group
             }
             agents = self._agents_due.pop(replica, {})
@@ -488,15 +470,12 @@ class TokenDancePolicy(MoriPolicy):
         return actions
 
     # introspection -----------------------------------------------------------------------
-    def describe(self, program_id: str, now: float) -> dict[str, Any] | None:
-        view = super().describe(program_id, now)
-        if view is not None:
-            view["round_held"] = program_id in self._gang
-            view["round_group"] = self._group.get(program_id)
-        return view
+    def describe(self, p: Program, view: dict[str, Any], now: float) -> None:
+        view["round_held"] = p.program_id in self.gang
+        view["round_group"] = self._group.get(p.program_id)
 
 
-def _need(members: Iterable[Program], replica: str | None, policy: TokenDancePolicy) -> int:
+def _need(members: Iterable[Program], replica: str | None, engine: MoriEngine) -> int:
     """GPU tokens the round's members not on GPU(replica) add there, each shared segment
     once (and not at all if the replica's GPU tier holds it already)."""
     place = Placement(Tier.GPU, replica) if replica is not None else WAITING
@@ -509,7 +488,7 @@ def _need(members: Iterable[Program], replica: str | None, policy: TokenDancePol
             continue  # resident on another replica: released there
         tokens = p.context_tokens
         for s in p.shared:
-            if s.chain in seen or (replica is not None and policy.tiers.holders(place, s.chain)):
+            if s.chain in seen or (replica is not None and engine.tiers.holders(place, s.chain)):
                 tokens -= s.tokens
             seen.add(s.chain)
         need += tokens

@@ -1,0 +1,343 @@
+"""Displacement: who makes room for a held request that does not fit.
+
+Two stages, each with its victim pool (ACTING GPU programs of a replica, best victim
+first, taken in order):
+
+* `IdlenessPool` (MORI 4.3.1, every rung): at a tick, a class-1/2 request may swap out
+  ACTING programs of its target replica that are more idle than it by at least
+  `hysteresis`; an aged request any ACTING program. Built per pass; with token prefix
+  sums, "the fewest most-idle victims freeing `needed`" is one bisection.
+* `PricedDisplacement` (`mori-priced` and above): a held request of any class may move
+  ACTING programs off its own replica's GPU tier when the move pays (`router.policy.
+  forecast`: expected remaining idle time against the reload or recompute), farthest
+  expected return first (Belady's choice). At a tick every held request in priority order,
+  aged ones first; on an event only the first `EVENT_CANDIDATES`, from a queue kept by
+  priority, so an event stays cheap at 10 000 programs. Its pools are kept between ticks
+  and re-ranked in turns.
+
+Either way the request and its victims move in one swap (`MoriEngine.swap_in`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterable
+from itertools import count
+from typing import TYPE_CHECKING
+
+from router.policy.ordering import Idleness, held_class
+from router.policy.program import Program
+from router.policy.types import Move, Placement, Status, Tier
+
+if TYPE_CHECKING:
+    from router.policy.engine import MoriEngine
+
+EVENT_CANDIDATES = 8  # held requests (by priority) that may displace on an event
+REFRESH_PROGRAMS = 1000  # GPU programs whose expected idle time a tick re-ranks (at least
+# one replica's): victim pools are kept between ticks, programs joining them on the way
+AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # priced pools, by what the request needs
+# a priced pool's entry: (-expected idle, seq, program, start of its tool call, its context)
+_Entry = tuple[float, int, Program, float, int]
+
+
+def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
+    """The ACTING programs not marked to leave after their step: those a move may take
+    off the GPU (victim pools, an urgent step's victims)."""
+    return [q for q in programs if q.status is Status.ACTING and q.demote_after_step is None]
+
+
+class IdlenessPool:
+    """ACTING GPU programs per replica, most idle first, built on first use in a pass."""
+
+    def __init__(self, engine: MoriEngine, idleness: Idleness) -> None:
+        self._engine = engine
+        self._idleness = idleness
+        self._hysteresis = engine.config.hysteresis
+        self._pools: dict[str, tuple[list[Program], list[float], list[int]]] = {}
+        self._start: dict[str, int] = {}  # victims before this index were taken already
+
+    def _pool(self, replica: str) -> tuple[list[Program], list[float], list[int]]:
+        pool = self._pools.get(replica)
+        if pool is None:
+            tiers = self._engine.tiers
+            ranked = sorted(
+                (
+                    (self._idleness(q), q)
+                    for q in tiers.members(Placement(Tier.GPU, replica))
+                    if q.status is Status.ACTING
+                ),
+                key=lambda e: e[0],
+                reverse=True,
+            )
+            prefix = [0]
+            for _, q in ranked:
+                prefix.append(prefix[-1] + tiers.freed_by(q))
+            pool = self._pools[replica] = ([q for _, q in ranked], [i for i, _ in ranked], prefix)
+            self._start[replica] = 0
+        return pool
+
+    def threshold(self, p: Program) -> float:
+        """The idleness a victim needs for `p` to swap it out (the hysteresis bar)."""
+        return self._idleness(p) + self._hysteresis
+
+    def most_idle(self, replicas: list[str]) -> float:
+        """The highest idleness of a victim still available on any of `replicas`."""
+        best = -1.0
+        for r in replicas:
+            _, idleness, _ = self._pool(r)
+            start = self._start[r]
+            if start < len(idleness) and idleness[start] > best:
+                best = idleness[start]
+        return best
+
+    def take(self, replica: str, p: Program, needed: int, aged: bool = False) -> list[Program]:
+        """Victims freeing `needed` tokens, each >= hysteresis more idle than `p` (any
+        ACTING program when `aged`); [] if they cannot free enough (a partial swap would be
+        churn for nothing)."""
+        threshold = -1.0 if aged else self.threshold(p)
+        if threshold > 1.0 or needed <= 0:
+            return []
+        programs, idleness, prefix = self._pool(replica)
+        start = self._start[replica]
+        end = bisect_left(prefix, prefix[start] + needed, lo=start)
+        if end >= len(prefix) or idleness[end - 1] < threshold:
+            return []
+        self._start[replica] = end
+        return programs[start:end]
+
+
+def pool_kind(p: Program, replica: str, aged: bool) -> str:
+    """Which victims a held request may move on `replica`: an aged one any ACTING program;
+    else those whose move pays, priced by whether they keep their host copy, which depends
+    on whether the request's KV is in that replica's host tier (`RELOAD`) or is written to
+    host anew (`FRESH`; `Forecast.victim_keeps_copy`)."""
+    if aged:
+        return AGED
+    return RELOAD if p.placement == Placement(Tier.CPU, replica) else FRESH
+
+
+class PricedDisplacement:
+    """The priced pass, its victim pools and the queue of held requests by priority."""
+
+    def __init__(self, engine: MoriEngine) -> None:
+        self.engine = engine
+        self.victims = PricedPool(engine)
+        self.queue = HeldQueue()
+        self._refresh_next = 0  # the replica whose victim pools a tick re-ranks next
+
+    def refresh(self, now: float) -> None:
+        """A tick: re-ranked victim pools and a compacted queue. Expected idle times grow
+        as tool calls go on, so pools are re-ranked, replica by replica in turn, about
+        `REFRESH_PROGRAMS` programs a tick (all of them on small deployments): a tick
+        stays within its budget at 10 000 programs."""
+        engine = self.engine
+        replicas = engine.tiers.replicas()
+        ranked = 0
+        for _ in range(len(replicas)):
+            if ranked >= REFRESH_PROGRAMS:
+                break
+            replica = replicas[self._refresh_next % len(replicas)]
+            self._refresh_next += 1
+            self.victims.refresh(replica)
+            ranked += engine.tiers.count(Placement(Tier.GPU, replica))
+        self.queue.rebuild(engine.held_programs(), engine.ordering.rank(now))  # type: ignore[attr-defined]
+
+    def held(self, p: Program, now: float) -> None:
+        """A request arrived off the GPU: it joins the queue."""
+        if p.placement.tier is not Tier.GPU:
+            self.queue.push(p, self.engine.ordering.rank(now))  # type: ignore[attr-defined]
+
+    def displace(self, now: float, at_tick: bool, free: dict[str, int] | None) -> list[Move]:
+        """Held requests take room from programs whose move pays, on their own replica (a
+        new one on the roomiest first); `free`: the room map (`free_room`) when the caller
+        has it as it is now."""
+        engine = self.engine
+        replicas = engine.tiers.replicas()
+        if not engine.has_held() or not replicas:
+            return []
+        if at_tick:
+            candidates = self.priority_order(engine.held_programs(), now)
+        else:
+            rank = engine.ordering.rank(now)  # type: ignore[attr-defined]
+            candidates = self.queue.top(EVENT_CANDIDATES, rank)
+        if not candidates:
+            return []
+        free = engine.free_room(now) if free is None else free
+        moves: list[Move] = []
+        aging_s = engine.aging_s
+        # The most a replica can offer a request (free room + its movable programs); a
+        # request larger than that on every target costs nothing to pass over.
+        room: dict[tuple[str, str], int] = {}
+        for p in candidates:
+            if not p.pending:
+                continue
+            aged = at_tick and aging_s > 0 and now - p.last_active_s >= aging_s
+            if p.last_replica is not None:  # only at home: never moves others to move it
+                targets = [p.last_replica] if p.last_replica in free else []
+            else:
+                targets = sorted(free, key=free.__getitem__, reverse=True)
+            for r in targets:
+                needed = p.context_tokens - free[r]  # type: ignore[index]
+                key = (r, pool_kind(p, r, aged))  # type: ignore[arg-type]
+                if key not in room:
+                    room[key] = self.victims.room(*key, now)
+                if needed > room[key]:
+                    continue
+                victims = self.victims.take(*key, needed, now)
+                if victims:
+                    moves += engine.swap_in(p, r, victims, free, now)  # type: ignore[arg-type]
+                    room[key] -= sum(v.context_tokens for v in victims)
+                    break
+        return moves
+
+    def priority_order(self, held: list[Program], now: float) -> list[Program]:
+        """Aged requests first (oldest first), then by the rung's rank."""
+        aging_s = self.engine.aging_s
+        cutoff = now - aging_s if aging_s > 0 else float("-inf")
+        aged = [p for p in held if p.last_active_s <= cutoff]
+        rank = self.engine.ordering.rank(now)  # type: ignore[attr-defined]
+        rest = sorted((p for p in held if p.last_active_s > cutoff), key=rank)
+        return aged + rest
+
+
+class HeldQueue:
+    """Held requests by promotion priority, so an event takes the first few in O(log n).
+
+    A heap of (rank, seq, program, arrival); an entry is stale once its request left (or
+    its program's class changed: it is pushed again with its new rank)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, int, Program, float]] = []
+        self._seq = count()
+
+    def push(self, p: Program, rank: Callable[[Program], tuple]) -> None:
+        heapq.heappush(self._heap, (rank(p), next(self._seq), p, p.last_active_s))
+
+    def rebuild(self, held: list[Program], rank: Callable[[Program], tuple]) -> None:
+        self._heap = []
+        for p in held:
+            if p.placement.tier is not Tier.GPU:
+                self.push(p, rank)
+
+    def top(self, k: int, rank: Callable[[Program], tuple]) -> list[Program]:
+        out: list[tuple[tuple, int, Program, float]] = []
+        while self._heap and len(out) < k:
+            entry = heapq.heappop(self._heap)
+            p = entry[2]
+            if not p.pending or p.last_active_s != entry[3] or p.placement.tier is Tier.GPU:
+                continue
+            if held_class(p) != entry[0][0]:  # moved between classes: re-rank it
+                self.push(p, rank)
+                continue
+            out.append(entry)
+        for entry in out:
+            heapq.heappush(self._heap, entry)
+        return [entry[2] for entry in out]
+
+
+class PricedPool:
+    """ACTING GPU programs whose move pays, per replica, farthest expected return first.
+
+    Built per replica on first use after a tick; a program that goes ACTING on a GPU tier
+    between ticks is inserted (`add`), so an event never re-ranks a whole tier. Entries go
+    stale when their program leaves the GPU or starts its next step; `take` skips them.
+    A pool per replica and kind of request (`pool_kind`): whether a move pays depends on
+    whether the victim keeps its host copy, which depends on what the request brings;
+    aged requests (ticks only) may take any ACTING program.
+    """
+
+    def __init__(self, engine: MoriEngine) -> None:
+        self._engine = engine
+        self._pools: dict[tuple[str, str], list[_Entry]] = {}
+        self._tokens: dict[tuple[str, str], int] = {}  # per pool: its entries' tokens
+        self._seq = count()
+
+    def _cost_s(self, q: Program, kind: str, room: int) -> float:
+        """What moving q must win back to pay: `displace_margin` x its reload if it keeps
+        its host copy, else its recompute (`room`: its replica's host room)."""
+        forecast = self._engine.forecast
+        kept = forecast.victim_keeps_copy(q, kind == FRESH, room)  # type: ignore[union-attr]
+        margin = self._engine.config.displace_margin
+        return margin * forecast.move_cost_s(q, kept_on_host=kept)  # type: ignore[union-attr]
+
+    def _new_entry(self, q: Program, idle: float | None) -> _Entry | None:
+        if idle is None:
+            return None
+        return (-idle, next(self._seq), q, q.interval_start, q.context_tokens)
+
+    def _pool(self, replica: str, kind: str, now: float) -> list[_Entry]:
+        key = (replica, kind)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = self.rank(replica, kind, now)
+            self._tokens[key] = sum(entry[4] for entry in pool)
+        return pool
+
+    def rank(self, replica: str, kind: str, now: float) -> list[_Entry]:
+        """Every ACTING program of GPU(replica) whose move pays, farthest return first
+        (the pool's programs priced together)."""
+        engine = self._engine
+        forecast = engine.forecast
+        members = in_tool_calls(engine.tiers.members(Placement(Tier.GPU, replica)))
+        if kind == AGED:
+            idle: list[float | None] = list(forecast.expected_idle_many(members, now))  # type: ignore[union-attr]
+        else:
+            room = forecast.host_room(replica)  # type: ignore[union-attr]
+            costs = [self._cost_s(q, kind, room) for q in members]
+            idle = forecast.idles_if_moves_pay(members, costs, now)  # type: ignore[union-attr]
+        entries = (self._new_entry(q, i) for q, i in zip(members, idle, strict=True))
+        return sorted(e for e in entries if e)
+
+    def refresh(self, replica: str) -> None:
+        """Re-rank one replica's pools (expected idle times grow as tool calls go on) when
+        next used, so while nothing waits no step's end pays for ranking its program
+        (`add` finds no pool)."""
+        for kind in (AGED, RELOAD, FRESH):
+            self._pools.pop((replica, kind), None)
+
+    def add(self, q: Program, now: float) -> None:
+        """`q` went ACTING on its GPU tier: it joins the replica's pools where it pays."""
+        replica: str = q.placement.replica  # type: ignore[assignment]
+        forecast = self._engine.forecast
+        room = None
+        for kind in (RELOAD, FRESH):
+            pool = self._pools.get((replica, kind))
+            if pool is None:
+                continue
+            room = forecast.host_room(replica) if room is None else room  # type: ignore[union-attr]
+            idle = forecast.idle_if_move_pays(q, self._cost_s(q, kind, room), now)  # type: ignore[union-attr]
+            entry = self._new_entry(q, idle)
+            if entry is not None:
+                insort(pool, entry)
+                self._tokens[(replica, kind)] += entry[4]
+
+    def room(self, replica: str, kind: str, now: float) -> int:
+        """Tokens the pool could free on `replica`: an upper bound, its entries' contexts
+        when they joined, kept as they join and leave (a program still valid to take has
+        the context it joined with: it changes only with a request or a response; stale
+        entries count, so `take` may still find too little)."""
+        self._pool(replica, kind, now)
+        return self._tokens[(replica, kind)]
+
+    def take(self, replica: str, kind: str, needed: int, now: float) -> list[Program]:
+        """Victims freeing `needed` tokens on `replica`, farthest return first, or [] (a
+        partial move would be churn for nothing)."""
+        if needed <= 0:
+            return []
+        gpu, chosen, freed = Placement(Tier.GPU, replica), [], 0
+        pool = self._pool(replica, kind, now)
+        stale = 0
+        tiers = self._engine.tiers
+        for _, _, q, since, _ in pool:
+            valid = q.placement == gpu and q.status is Status.ACTING
+            if not valid or q.interval_start != since or q.demote_after_step is not None:
+                stale += 1 if not chosen else 0
+                continue
+            chosen.append(q)
+            freed += tiers.freed_by(q)
+            if freed >= needed:
+                self._tokens[(replica, kind)] -= sum(entry[4] for entry in pool[:stale])
+                del pool[:stale]  # the stale head is gone for good
+                return chosen
+        return []

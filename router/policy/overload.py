@@ -1,0 +1,282 @@
+"""Overload: a wait bound for programs in flight, and starts as the valve (`mori`).
+
+Under more programs than the replicas hold someone has to wait; this stage decides who.
+A program served once has a bound on how long its next step may be held
+(`max_step_wait_s`): once it has waited `URGENT_SHARE` of it, it goes onto its own replica
+before anything else, into free room or in place of programs in tool calls, or its
+replica's room is kept for it until running steps end. A program's first request waits at
+the door (`router.policy.door`) and is let in only where no step in flight waits and the
+programs in flight leave load to spare; one not expected in before the gate times it out
+is told at once to come back.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from router.policy.displacement import FRESH, in_tool_calls
+from router.policy.door import Door
+from router.policy.program import Program
+from router.policy.types import Move, MoveReason, Placement, Tier
+
+if TYPE_CHECKING:
+    from router.policy.engine import MoriEngine
+
+URGENT_SHARE = 0.5  # a held step in flight goes first after this share of max_step_wait_s
+# a program's life-mean context per token of its first prompt, before ...: the real Claude
+# Code sample's median is 3.1 (generated corpora 3.5-3.7); 4 kept too few programs running
+# in runs shorter than a life (bench/results/2026-11-28-overload.md "The growth prior")
+GROWTH_PRIOR = 3.0
+LIFE_SAMPLES = 5  # ... this many programs ended and their own mean is known
+LIFE_ALPHA = 0.05  # weight of the newest ended program in the mean context of a life
+
+
+class WaitBound:
+    """The door, the held steps in flight and the room kept for urgent ones."""
+
+    def __init__(self, engine: MoriEngine) -> None:
+        self.engine = engine
+        self.door = Door()  # starts waiting to be let in
+        # held requests of programs in flight (served once), oldest arrival first
+        self._inflight_held: OrderedDict[str, Program] = OrderedDict()
+        self.held_for: dict[str, str] = {}  # replica -> the urgent program it keeps room for
+        self._first_context: dict[str, int] = {}  # program -> its first prompt (tokens)
+        self._context_sum: dict[str, int] = {}  # program -> its contexts after each step
+        self._life_context = 0.0  # mean context over a program's steps, programs that ended
+        self._lives = 0  # programs that ended after a step
+        self.load: dict[str, float] | None = None  # replica -> busy tokens (`loads`)
+        self._load_of: dict[str, tuple[str, float]] = {}  # program -> what it adds there
+
+    @property
+    def on(self) -> bool:
+        """Whether steps in flight have a wait bound (and starts wait at the door)."""
+        return self.engine.config.max_step_wait_s > 0
+
+    # arrivals -------------------------------------------------------------------------
+    def admit_start(self, p: Program, now: float) -> list[Move]:
+        """A start waits at the door; the passes run, then the door's refusals."""
+        engine, config = self.engine, self.engine.config
+        self._first_context.setdefault(p.program_id, p.context_tokens)
+        self.door.enter(p)
+        moves = engine.promote(now)
+        self.door.update_refusals(now, config.gate_timeout_s, config.start_hold_s)
+        return [
+            replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
+            for m in moves
+        ]
+
+    def step_held(self, p: Program) -> None:
+        """A step in flight joins the held ones in arrival order."""
+        self._inflight_held.pop(p.program_id, None)
+        self._inflight_held[p.program_id] = p
+
+    def closes(self, p: Program | None) -> bool:
+        """Whether `p`'s held step keeps its replica closed to the door's starts."""
+        return self.on and p is not None and p.pending and p.program_id in self._inflight_held
+
+    def waiting_in_flight(self) -> Iterator[Program]:
+        """Held requests of programs in flight, oldest first (the index is cleaned as it is
+        read: released, cancelled and ended entries drop out at the front)."""
+        index, programs = self._inflight_held, self.engine.programs
+        while index:
+            p = next(iter(index.values()))
+            if p.pending and p.program_id in programs:
+                break
+            index.popitem(last=False)
+        return (p for p in index.values() if p.pending)
+
+    def urgent(self, now: float) -> list[Program]:
+        """Held steps in flight that have waited `URGENT_SHARE` of the bound, oldest first."""
+        due = now - URGENT_SHARE * self.engine.config.max_step_wait_s
+        out = []
+        for p in self.waiting_in_flight():
+            if p.last_active_s > due:
+                break
+            out.append(p)
+        return out
+
+    def wakeup(self) -> float | None:
+        """When the oldest held step in flight becomes urgent."""
+        oldest = next(self.waiting_in_flight(), None)
+        if oldest is None:
+            return None
+        return oldest.last_active_s + URGENT_SHARE * self.engine.config.max_step_wait_s
+
+    # urgent steps ----------------------------------------------------------------------
+    def serve_urgent(self, now: float) -> list[Move]:
+        """Each urgent step goes onto its own replica now: into free room (the growth
+        band does not hold against it), else in place of programs in tool calls, farthest
+        expected return first, whatever their idleness (priced as any move: they keep
+        their host copy where it survives). Where programs in tool calls do not hold
+        enough, the replica's room is kept for it (`held_for`) until running steps end:
+        nothing else is placed there meanwhile, so its wait is bounded by a step."""
+        engine, tiers = self.engine, self.engine.tiers
+        self.held_for.clear()
+        moves: list[Move] = []
+        healthy = set(tiers.replicas())
+        ranked: dict[str, list[Program]] = {}  # per replica, sorted once a pass
+        for p in self.urgent(now):
+            home = p.last_replica
+            if home not in healthy or home in self.held_for:
+                continue
+            gpu = Placement(Tier.GPU, home)
+            missing = tiers.need(p, gpu) - tiers.free(gpu)
+            victims = self._urgent_victims(home, missing, now, ranked) if missing > 0 else []
+            if missing > 0 and not victims:
+                self.held_for[home] = p.program_id  # type: ignore[index]
+                continue
+            engine.timed.outcomes["urgent_placed"] += 1  # type: ignore[union-attr]
+            moves += engine.swap_in(p, home, victims, {home: 0}, now)  # type: ignore[arg-type]
+        return moves
+
+    def _urgent_victims(
+        self, replica: str, needed: int, now: float, ranked: dict[str, list[Program]]
+    ) -> list[Program]:
+        """Programs in tool calls on GPU(replica) whose leaving frees `needed`, farthest
+        expected return first (predicted-promoted ones last), or [] if they cannot.
+
+        Sorted once per pass and replica (`ranked`; a tick serves ~20 urgent steps, and
+        pricing a replica's ~300 programs in tool calls was half its time): within a pass
+        nothing predicts, protects or ends a call, so a later urgent step of the replica
+        finds the same order among the programs its swaps left there."""
+        engine = self.engine
+        gpu = Placement(Tier.GPU, replica)
+        if replica not in ranked:
+            acting = in_tool_calls(engine.tiers.members(gpu))
+            idle = engine.forecast.expected_idle_many(acting, now)  # type: ignore[union-attr]
+            protected = engine.timed.protected_until  # type: ignore[union-attr]
+            order = sorted(
+                range(len(acting)),
+                key=lambda i: (acting[i].program_id in protected, -idle[i]),
+            )
+            ranked[replica] = [acting[i] for i in order]
+        left = [q for q in in_tool_calls(ranked[replica]) if q.placement == gpu]
+        return engine.tiers.enough(left, needed)
+
+    # the door --------------------------------------------------------------------------
+    def let_in(self, now: float) -> list[Move]:
+        """Starts at the door, in the order they first asked (a client's `priority` first),
+        onto replicas where no step in flight waits and the programs in flight leave load
+        to spare (`loads`): into free room, where each program would have the most (as any
+        new program), else in place of programs in tool calls whose move pays."""
+        engine = self.engine
+        starts = sorted(self.door.held(), key=lambda p: -p.priority)  # stable: door order
+        if not starts:
+            return []
+        closed = {p.last_replica for p in self.waiting_in_flight()}
+        replicas = engine.tiers.replicas()
+        loads = self.loads(now)
+        if loads.keys() != set(replicas):  # a replica came or went since the sum
+            self.load = None
+            loads = self.loads(now)
+        door_load = engine.config.door_load
+        spare = {r: door_load * self._room(r) - loads[r] for r in replicas if r not in closed}
+        free = {
+            r: engine.tiers.free(Placement(Tier.GPU, r)) - engine.leave_free(r, now)
+            for r in spare
+            if spare[r] > 0
+        }
+        moves: list[Move] = []
+        for p in starts:
+            if not free:
+                break
+            placed = self._place_start(p, free, now)
+            if placed:
+                r: str = placed[-1].dst.replica  # type: ignore[assignment]
+                spare[r] -= self._count_load(p, r, now)
+                if spare[r] <= 0:
+                    del free[r]
+                moves += placed
+        return moves
+
+    def _place_start(self, p: Program, free: dict[str, int], now: float) -> list[Move]:
+        engine = self.engine
+        order = engine.placement.spread(free)  # type: ignore[attr-defined]
+        for r in order:
+            gpu = Placement(Tier.GPU, r)
+            need = engine.tiers.need(p, gpu)
+            if need <= free[r]:
+                free[r] -= need
+                return [engine.move(p, gpu, MoveReason.PROMOTE_NEW, now)]
+        victims_of = engine.priced.victims  # type: ignore[union-attr]
+        for r in order:  # its whole context: a segment it would share may leave with a victim
+            missing = p.context_tokens - free[r]
+            victims = victims_of.take(r, FRESH, missing, now)
+            if victims:
+                return engine.swap_in(p, r, victims, free, now)
+        return []
+
+    def loads(self, now: float) -> dict[str, float]:
+        """The GPU room the programs in flight keep busy on each replica, on average, in
+        tokens: each one's KV over its life (`_footprint`) times the share of its time it
+        spends reasoning (1 - idleness; a program without history counts whole). While it
+        stays below the room there is, returning steps find room; past it they queue, and
+        the queue is what the wait bound has to break by swapping. Summed over every
+        program at a full tick (O(programs)); between ticks a program's share is counted
+        again at its step's end, a start let in adds its own and an ended program takes
+        its own away, so an event costs O(1)."""
+        engine = self.engine
+        if self.load is None:
+            self.load = dict.fromkeys(engine.tiers.replicas(), 0.0)
+            self._load_of = {}
+            for p in engine.programs.values():
+                if p.last_replica in self.load:  # None at the door
+                    self._count_load(p, p.last_replica, now)  # type: ignore[arg-type]
+        return self.load
+
+    def _count_load(self, p: Program, replica: str, now: float) -> float:
+        """Count `p`'s busy share on `replica` in place of what it added before (at a step's
+        end its idleness is its cycles' without the call just begun: its usual share)."""
+        self._uncount_load(p.program_id)
+        share = self._footprint(p) * (1.0 - p.idleness(now))
+        self._load_of[p.program_id] = (replica, share)
+        if self.load is not None and replica in self.load:
+            self.load[replica] += share
+        return share
+
+    def _uncount_load(self, program_id: str) -> None:
+        counted = self._load_of.pop(program_id, None)
+        if counted is not None and self.load is not None and counted[0] in self.load:
+            self.load[counted[0]] -= counted[1]
+
+    def _room(self, replica: str) -> int:
+        return max(1, self.engine.tiers.budget(Placement(Tier.GPU, replica)))
+
+    def _footprint(self, p: Program) -> float:
+        """The KV `p` holds over its life: an agent's context grows every step (3-4x its
+        first prompt over a coding task), so a program counts at least what programs that
+        ended held on average (`GROWTH_PRIOR` x its prompt until `LIFE_SAMPLES` ended)."""
+        if self._lives >= LIFE_SAMPLES:
+            return max(p.context_tokens, self._life_context)
+        first = self._first_context.get(p.program_id, p.context_tokens)
+        return max(p.context_tokens, GROWTH_PRIOR * first)
+
+    # steps and ends ------------------------------------------------------------------------
+    def step_ended(self, p: Program, now: float) -> None:
+        """The step's context joins its life mean, and its load share is counted again
+        (before the gate's pass, which lets starts in against the load as it is now)."""
+        self._context_sum[p.program_id] = self._context_sum.get(p.program_id, 0) + p.context_tokens
+        if self.load is not None and p.last_replica is not None:
+            self._count_load(p, p.last_replica, now)
+
+    def forget(self, p: Program | None, program_id: str) -> None:
+        """`program_id` ended: it leaves the door and the held, and its life is a sample."""
+        self.door.forget(program_id)
+        self._inflight_held.pop(program_id, None)
+        if p is not None:
+            self._observe_life(p)
+        self._uncount_load(program_id)
+
+    def _observe_life(self, p: Program) -> None:
+        """`p` ended: the mean context of its steps is one more sample of a life's."""
+        total = self._context_sum.pop(p.program_id, 0)
+        self._first_context.pop(p.program_id, None)
+        if p.steps <= 0 or total <= 0:
+            return
+        mean = total / p.steps
+        self._lives += 1
+        weight = max(LIFE_ALPHA, 1.0 / self._lives)  # a plain mean over the first ones
+        self._life_context += weight * (mean - self._life_context)
