@@ -33,7 +33,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project first: bench/kernels.py must not shadow `kernels`
-from router.policy.mori import MoriPolicy  # noqa: E402
+from router.policy.engine import MoriEngine  # noqa: E402
 from router.replay.trace import load_trace  # noqa: E402
 from router.sim.simulator import SimConfig, Simulation  # noqa: E402
 
@@ -64,14 +64,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_one(path: str, config: SimConfig) -> dict:
-    """One simulated run; for mori also the predictor's errors and outcomes."""
+    """One simulated run; with the time scheduler also the predictor's errors and what
+    the predictions did."""
     sim = Simulation(load_trace(path), config)
     result = sim.run()
     out = {"corpus": path, "config": asdict(config), "result": result.to_dict()}
-    if isinstance(sim.policy, MoriPolicy):
-        errors = sim.policy.predictor.error_stats()
+    policy = sim.policy
+    if isinstance(policy, MoriEngine) and policy.timed is not None:
+        errors = policy.timed.forecast.predictor.error_stats()
         out["errors"] = {k: asdict(v) for k, v in errors.items()}
-        out["outcomes"] = dict(sim.policy.outcomes)
+        out["outcomes"] = dict(policy.timed.outcomes)
     return out
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from router.policy import make_policy
-from router.policy.cachesage import MIN_TRANSITIONS, CacheSage, CacheSagePolicy
+from router.policy.cachesage import MIN_TRANSITIONS, CacheSage
+from router.policy.engine import MoriEngine
 from router.policy.runtime import (
     AgentEvent,
     AgentRuntime,
@@ -181,8 +182,8 @@ def run_chain(policy: str, mix: float = 0.05, duration: float = 900.0) -> Simula
 def test_mori_cachesage_learns_the_chain_pushes_scores_and_warms_anchors():
     sim = run_chain("mori+cachesage")
     policy = sim.policy
-    assert isinstance(policy, CacheSagePolicy)
-    assert policy.cachesage.active and policy.cachesage.learner.r() > 0.6
+    assert isinstance(policy, MoriEngine)
+    assert policy.handover.cachesage.active and policy.handover.cachesage.learner.r() > 0.6
     tree = sim.engines["r0"].tree
     assert tree.scores and max(tree.scores.values()) > 0.5
     assert sim.warms["loaded"] + sim.warms["queued"] + sim.warms["resident"] > 10
@@ -191,6 +192,6 @@ def test_mori_cachesage_learns_the_chain_pushes_scores_and_warms_anchors():
 
 def test_noise_keeps_the_engine_on_plain_typed_lru():
     sim = run_chain("mori+cachesage", mix=1.0, duration=600.0)
-    assert not sim.policy.cachesage.active
+    assert not sim.policy.handover.cachesage.active
     assert sim.engines["r0"].tree.scores == {}
     assert sim.result.extra["warm_loaded_tokens"] == sim.result.extra["warm_prefill_tokens"] == 0

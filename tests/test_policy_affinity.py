@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 
 from router.policy import PolicyConfig, make_policy
-from router.policy.priced import PricedPolicy
+from router.policy.engine import MoriEngine
 from router.policy.types import WAITING, MoveReason, Placement, ReplicaCapacity, Status, Tier
 
 RECOMPUTE_S_PER_TOKEN = 1e-3
 
 
-def make(replicas: int = 2, policy: str = "mori-priced", **cfg) -> PricedPolicy:
+def make(replicas: int = 2, policy: str = "mori-priced", **cfg) -> MoriEngine:
     cfg = {
         "load_s_per_token": 1e-4,
         "prefill_s_per_token": RECOMPUTE_S_PER_TOKEN,
@@ -27,13 +27,13 @@ def make(replicas: int = 2, policy: str = "mori-priced", **cfg) -> PricedPolicy:
         "max_step_wait_s": 0.0,  # mori's overload rules have their own tests
     } | cfg
     made = make_policy(policy, PolicyConfig(**cfg))
-    assert isinstance(made, PricedPolicy)
+    assert isinstance(made, MoriEngine)
     for i in range(replicas):
         made.add_replica(f"r{i}", ReplicaCapacity(1000, 0))
     return made
 
 
-def step(policy: PricedPolicy, pid: str, t: float, tokens: int, answered: float = 1.0) -> str:
+def step(policy: MoriEngine, pid: str, t: float, tokens: int, answered: float = 1.0) -> str:
     """A request of `pid` at t that is routed at once and answered `answered` s later."""
     policy.on_request(pid, t, tokens)
     replica = policy.route(pid)
@@ -42,12 +42,12 @@ def step(policy: PricedPolicy, pid: str, t: float, tokens: int, answered: float 
     return replica
 
 
-def evict(policy: PricedPolicy, pid: str, t: float) -> None:
+def evict(policy: MoriEngine, pid: str, t: float) -> None:
     """Take an ACTING program off its GPU tier, as a demotion does (no host room: WAITING)."""
-    policy._move(policy.programs[pid], WAITING, MoveReason.DEMOTE, t)
+    policy.move(policy.programs[pid], WAITING, MoveReason.DEMOTE, t)
 
 
-def settle_a_on_r0(policy: PricedPolicy) -> None:
+def settle_a_on_r0(policy: MoriEngine) -> None:
     """`a` (600 tokens) ran on r0, which `full` (1000) then filled: a waits with home r0."""
     policy.set_healthy("r1", False, 0.0)  # a's first step lands on r0
     assert step(policy, "a", 0.0, 600) == "r0"
@@ -135,12 +135,12 @@ def test_busier_per_token_programs_are_promoted_first(name):
     assert policy.route("big") is None
 
 
-def settle_on(policy: PricedPolicy, pid: str, replica: str, tokens: int, t: float) -> None:
+def settle_on(policy: MoriEngine, pid: str, replica: str, tokens: int, t: float) -> None:
     """`pid` ran one step and is in a tool call on `replica`'s GPU tier."""
     step(policy, pid, t, tokens)
     gpu = Placement(Tier.GPU, replica)
     if policy.programs[pid].placement != gpu:
-        policy._move(policy.programs[pid], gpu, MoveReason.PROMOTE_WAITING, t + 1)
+        policy.move(policy.programs[pid], gpu, MoveReason.PROMOTE_WAITING, t + 1)
 
 
 @pytest.mark.parametrize("policy_name", ["mori-priced", "mori"])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from router.policy import PolicyConfig, make_policy
+from router.policy.engine import MoriEngine
 from router.policy.predictor import MIN_DIST_SAMPLES
-from router.policy.priced import PricedPolicy
 from router.policy.types import MoveReason, Placement, ReplicaCapacity, Status, Tier
 
 GPU0, CPU0 = Placement(Tier.GPU, "r0"), Placement(Tier.CPU, "r0")
@@ -17,16 +17,16 @@ GPU1 = Placement(Tier.GPU, "r1")
 WAIT = Placement(Tier.WAITING)
 
 
-def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> PricedPolicy:
+def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> MoriEngine:
     cfg = {"load_s_per_token": 1e-4, "prefill_s_per_token": 1e-3, "aging_s": 0.0} | cfg
     policy = make_policy("mori-priced", PolicyConfig(**cfg))
-    assert isinstance(policy, PricedPolicy)
+    assert isinstance(policy, MoriEngine)
     for i in range(replicas):
         policy.add_replica(f"r{i}", ReplicaCapacity(gpu, cpu))
     return policy
 
 
-def acting(policy: PricedPolicy, pid: str, start: float, tokens: int, tool: str | None = None):
+def acting(policy: MoriEngine, pid: str, start: float, tokens: int, tool: str | None = None):
     """A program admitted at `start`, answered 1 s later, now in `tool` (unknown if None)."""
     policy.on_request(pid, start, tokens)
     assert policy.route(pid) is not None, f"{pid} was not admitted at {start}"
@@ -35,12 +35,12 @@ def acting(policy: PricedPolicy, pid: str, start: float, tokens: int, tool: str 
         policy.on_tool_start(pid, start + 1.0, tool)
 
 
-def teach(policy: PricedPolicy, tool: str, duration_s: float) -> None:
+def teach(policy: MoriEngine, tool: str, duration_s: float) -> None:
     for _ in range(MIN_DIST_SAMPLES):
-        policy.predictor.observe(None, tool, duration_s)
+        policy.forecast.predictor.observe(None, tool, duration_s)
 
 
-def where(policy: PricedPolicy, pid: str) -> Placement:
+def where(policy: MoriEngine, pid: str) -> Placement:
     return policy.programs[pid].placement
 
 
@@ -69,7 +69,7 @@ def test_recent_return_waits_raise_the_bar_for_a_recompute():
     """Programs moved off the GPU have waited 100 s at the gate lately: moving one more,
     to be recomputed (no host room), for an expected 5 s away does not pay."""
     policy = make(cpu=0)
-    policy.return_wait_s = 100.0
+    policy.forecast.return_wait_s = 100.0
     acting(policy, "a", 0.0, 800)  # recompute alone: 0.8 s
     policy.on_request("n", 2.0, 400)
     assert policy.route("n") is None
@@ -77,7 +77,7 @@ def test_recent_return_waits_raise_the_bar_for_a_recompute():
 
 def test_return_waits_do_not_count_when_the_kv_stays_on_host():
     policy = make()
-    policy.return_wait_s = 100.0
+    policy.forecast.return_wait_s = 100.0
     acting(policy, "a", 0.0, 800)
     policy.on_request("n", 2.0, 400)
     assert policy.route("n") == "r0" and where(policy, "a") == CPU0
@@ -106,7 +106,7 @@ def test_return_wait_is_learned_from_programs_that_lost_their_room():
     assert policy.route("a") is None and where(policy, "a") == CPU0
     policy.end("n", 10.0)  # room: a goes back after 6 s at the gate
     assert policy.route("a") == "r0"
-    assert policy.return_wait_s == pytest.approx(0.1 * 6.0)
+    assert policy.forecast.return_wait_s == pytest.approx(0.1 * 6.0)
 
 
 def test_victims_are_taken_farthest_expected_return_first():
@@ -124,7 +124,7 @@ def test_victims_are_taken_farthest_expected_return_first():
     acting(policy, "l", -1.0, 250, "Edit")  # least recently active; ~1 s left at t=19
     acting(policy, "m", 14.0, 250, "Bash:pytest")  # ~56 s left at t=19
     acting(policy, "r", 17.9, 250, "Read")  # ~0.4 s left at t=19
-    left = {pid: policy.expected_idle_s(policy.programs[pid], 19.0) for pid in "flmr"}
+    left = {pid: policy.forecast.expected_idle_s(policy.programs[pid], 19.0) for pid in "flmr"}
     assert left["m"] > left["f"] > left["l"] > left["r"]
     policy.on_request("n", 19.0, 250)
     assert policy.route("n") == "r0"
@@ -177,7 +177,7 @@ def test_host_room_leaves_out_the_gpu_tier_backups():
     policy = make(gpu=1000, cpu=1000)
     acting(policy, "a", 0.0, 500)
     acting(policy, "b", 0.5, 500)
-    assert policy.host_room("r0") == 0
+    assert policy.forecast.host_room("r0") == 0
     policy.set_capacity("r0", ReplicaCapacity(500, 1000))
     policy.tick(3.0)
     assert sorted(map(str, (where(policy, "a"), where(policy, "b")))) == sorted(
@@ -194,7 +194,7 @@ def test_a_victim_swapped_for_a_cpu_program_keeps_its_host_copy():
     acting(policy, "x", 0.0, 500)
     acting(policy, "a", 0.5, 500)
     acting(policy, "b", 0.6, 500)  # x (least recently active) moved to CPU for b
-    assert where(policy, "x") == CPU0 and policy.host_room("r0") == 0
+    assert where(policy, "x") == CPU0 and policy.forecast.host_room("r0") == 0
     policy.on_request("x", 60.0, 500)
     assert where(policy, "x") == GPU0 and policy.route("x") == "r0"
     assert CPU0 in (where(policy, "a"), where(policy, "b"))
@@ -228,12 +228,12 @@ def test_describe_shows_the_expected_idle_time():
     assert policy.describe("a", 2.0)["expected_idle_s"] == pytest.approx(30.0)
 
 
-def teach_mixed(policy: PricedPolicy, tool: str) -> None:
+def teach_mixed(policy: MoriEngine, tool: str) -> None:
     """Calls of `tool`: 4 in 5 take 1 s, 1 in 5 takes 200 s (mean residual at 0 s: 40.8 s)."""
     for _ in range(4 * MIN_DIST_SAMPLES):
-        policy.predictor.observe(None, tool, 1.0)
+        policy.forecast.predictor.observe(None, tool, 1.0)
     for _ in range(MIN_DIST_SAMPLES):
-        policy.predictor.observe(None, tool, 200.0)
+        policy.forecast.predictor.observe(None, tool, 200.0)
 
 
 @pytest.mark.parametrize(("confidence", "moved"), [(0.3, False), (0.1, True)])
@@ -244,7 +244,7 @@ def test_a_victim_that_usually_comes_back_soon_is_not_moved(confidence, moved):
     policy = make(cpu=0, prefill_s_per_token=1e-2, displace_confidence=confidence)
     teach_mixed(policy, "bash")
     acting(policy, "a", 0.0, 800, tool="bash")
-    assert policy.expected_idle_s(policy.programs["a"], 1.0) > 30.0
+    assert policy.forecast.expected_idle_s(policy.programs["a"], 1.0) > 30.0
     policy.on_request("n", 1.05, 400)
     assert (policy.route("n") == "r0") is moved
     assert (where(policy, "a") == GPU0) is not moved
@@ -256,8 +256,8 @@ def test_victims_are_ranked_only_when_a_request_waits():
     request); a request that must displace ranks them then, with the time it does so."""
     policy = make(gpu=3000)
     ranked: list[str] = []
-    priced = policy.residuals
-    policy.residuals = lambda programs, more, now: (
+    priced = policy.forecast.residuals
+    policy.forecast.residuals = lambda programs, more, now: (
         ranked.extend(p.program_id for p in programs) or priced(programs, more, now)
     )
     acting(policy, "a", 0.0, 1000)
@@ -280,7 +280,7 @@ def test_a_move_is_priced_by_what_the_request_brings():
     acting(policy, "x", 0.0, 500)
     acting(policy, "a", 0.5, 500)
     acting(policy, "b", 0.6, 500)  # x moved to CPU (host room was 500)
-    assert where(policy, "x") == CPU0 and policy.host_room("r0") == 0
+    assert where(policy, "x") == CPU0 and policy.forecast.host_room("r0") == 0
     policy.tick(1.9)  # victims are priced per tick (b's move was priced with host room)
     policy.on_request("n", 2.0, 500)
     assert policy.programs["n"].pending and where(policy, "n") == WAIT

@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 
 from router.policy import PolicyConfig, make_policy
-from router.policy.mori import URGENT_SHARE, MoriPolicy
+from router.policy.engine import MoriEngine
+from router.policy.overload import URGENT_SHARE
 from router.policy.types import (
     WAITING,
     AgentHints,
@@ -29,7 +30,7 @@ BOUND = 60.0
 URGENT = URGENT_SHARE * BOUND
 
 
-def make(gpu: int = 1000, cpu: int = 0, **cfg) -> MoriPolicy:
+def make(gpu: int = 1000, cpu: int = 0, **cfg) -> MoriEngine:
     """mori on one replica, its other ways to move programs off (priced displacement,
     aging, offload at tool start) held back, so what moves here is the overload rules'."""
     knobs = {
@@ -41,23 +42,23 @@ def make(gpu: int = 1000, cpu: int = 0, **cfg) -> MoriPolicy:
         "tick_s": 1.0,
     }
     policy = make_policy("mori", PolicyConfig(**(knobs | cfg)))
-    assert isinstance(policy, MoriPolicy)
+    assert isinstance(policy, MoriEngine)
     policy.add_replica("r0", ReplicaCapacity(gpu, cpu))
     return policy
 
 
-def run_step(policy: MoriPolicy, pid: str, t: float, tokens: int, answered: float = 1.0) -> float:
+def run_step(policy: MoriEngine, pid: str, t: float, tokens: int, answered: float = 1.0) -> float:
     policy.on_request(pid, t, tokens)
     assert policy.route(pid) == "r0", f"{pid} was not let in at {t}"
     policy.on_response(pid, t + answered, tokens)
     return t + answered
 
 
-def evicted_and_back(policy: MoriPolicy, t: float) -> None:
+def evicted_and_back(policy: MoriEngine, t: float) -> None:
     """`a` (600) ran a step and lost its room; `x` (500) is in a tool call on the GPU; at
     t `a` asks again and waits (500 free)."""
     run_step(policy, "a", 0.0, 600)
-    policy._move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
+    policy.move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
     run_step(policy, "x", 2.0, 500)
     policy.on_tool_start("x", 3.0, "pytest")
     policy.on_request("a", t, 600)
@@ -100,7 +101,7 @@ def test_an_urgent_step_keeps_its_replicas_room_while_steps_run():
     the urgent step, not to a smaller request that fits it first."""
     policy = make()
     run_step(policy, "a", 0.0, 600)
-    policy._move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
+    policy.move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
     for pid, t in (("r1", 2.0), ("r2", 2.0)):
         run_step(policy, pid, t, 450)
         policy.on_request(pid, t + 1.5, 450)  # reasoning again: 900 of 1000 used
@@ -108,7 +109,7 @@ def test_an_urgent_step_keeps_its_replicas_room_while_steps_run():
     policy.on_request("s", 4.0, 50)  # reasoning as well
     policy.on_request("a", 5.0, 600)
     policy.tick(5.0 + URGENT)
-    assert policy.route("a") is None and policy._held_for == {"r0": "a"}
+    assert policy.route("a") is None and policy.wait_bound.held_for == {"r0": "a"}
     policy.on_request("late", 5.0 + URGENT + 1, 40)  # a start that fits the 50 free
     assert policy.route("late") is None
     policy.on_response("s", 5.0 + URGENT + 2, 50)  # 50 free and `s` in a tool call: 100
@@ -137,7 +138,7 @@ def test_starts_are_let_in_in_the_order_they_first_asked():
     assert policy.route("second") is None  # 0 left
 
 
-def _door_pacing_every_100_s(**cfg) -> MoriPolicy:
+def _door_pacing_every_100_s(**cfg) -> MoriEngine:
     """The door has let a start in every 100 s; a program in flight now holds the replica,
     and starts w0, w1, w2 wait in that order."""
     policy = make(gpu=10_000, gate_timeout_s=300.0, **cfg)

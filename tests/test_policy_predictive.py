@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.policy import PolicyConfig, make_policy
-from router.policy.mori import MoriPolicy
+from router.policy.engine import MoriEngine
 from router.policy.types import Hint, MoveReason, Placement, ReplicaCapacity, Status, Tier
 
 GPU0, CPU0 = Placement(Tier.GPU, "r0"), Placement(Tier.CPU, "r0")
@@ -15,13 +15,13 @@ WAIT = Placement(Tier.WAITING)
 LOAD = 0.001  # s per token one way: 600 tokens load in 0.6 s
 
 
-def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> MoriPolicy:
+def make(gpu: int = 1000, cpu: int = 2000, replicas: int = 1, **cfg) -> MoriEngine:
     """The predictive moves alone: mori's priced displacement, aging and overload rules are
     switched off (their rules have their own tests), so each move here is a prediction's."""
     cfg = {"load_s_per_token": LOAD, "predict_lead_s": 0.5, "predict_grace_s": 2.0} | cfg
     cfg = {"displace_margin": 1e9, "aging_s": 0.0, "max_step_wait_s": 0.0} | cfg
     policy = make_policy("mori", PolicyConfig(**cfg))
-    assert isinstance(policy, MoriPolicy)
+    assert isinstance(policy, MoriEngine)
     for i in range(replicas):
         policy.add_replica(f"r{i}", ReplicaCapacity(gpu, cpu))
     return policy
@@ -80,7 +80,7 @@ def test_short_tool_is_not_offloaded():
 def test_offload_cost_above_benefit_is_refused():
     policy = make(load_s_per_token=0.02)  # transfers 2 x 12 s; window 6 s x value 0.5 < 24 s
     assert crowded(policy) == []
-    benefit, cost = policy.offload_benefit(policy.programs["a"], 30.0)
+    benefit, cost = policy.timed.offload_benefit(policy.programs["a"], 30.0)
     assert benefit < cost == pytest.approx(24.0)
     assert where(policy, "a") == GPU0
 
@@ -98,7 +98,7 @@ def test_demand_that_would_not_fit_anyway_is_no_benefit():
     step(policy, "a", 0.5, 100)
     policy.on_request("b", 2.0, 950)  # needs 950: freeing a (100) leaves 700
     assert policy.on_tool_start("a", 2.0, "Task") == []
-    assert policy.offload_benefit(policy.programs["a"], 90.0)[0] == 0.0
+    assert policy.timed.offload_benefit(policy.programs["a"], 90.0)[0] == 0.0
 
 
 def test_client_hint_moves_the_decision():
@@ -107,7 +107,7 @@ def test_client_hint_moves_the_decision():
     policy.on_request("a", 0.5, 600)
     policy.on_request("b", 1.0, 400)
     policy.on_response("a", 2.0, 600)
-    policy.predictor.hint_alpha = 1.0
+    policy.forecast.predictor.hint_alpha = 1.0
     assert policy.on_tool_start("a", 2.0, "Bash:pytest", predict_s=0.2) == []  # client: 0.2 s
     assert where(policy, "a") == GPU0
 
@@ -119,7 +119,7 @@ def _offloaded(policy) -> float:
     policy.on_response("b", 3.0, 400)
     policy.end("b", 4.0)
     assert policy.tiers.free(GPU0) == 700
-    return policy.calls["a"].predicted_end_s
+    return policy.forecast.calls["a"].predicted_end_s
 
 
 def test_promotion_ahead_of_predicted_end_loads_the_kv_back():
@@ -135,7 +135,7 @@ def test_promotion_ahead_of_predicted_end_loads_the_kv_back():
     assert policy.hint_updates()["r0"]["a"] is Hint.BUSY  # the engine loads it back now
     policy.on_request("a", predicted_end, 600)
     assert policy.route("a") == "r0"  # no gate wait at all
-    assert policy.outcomes["back_after_predicted_promotion"] == 1
+    assert policy.timed.outcomes["back_after_predicted_promotion"] == 1
 
 
 def test_no_predictive_promotion_without_free_room():
@@ -177,8 +177,8 @@ def test_early_return_falls_back_to_normal_promotion():
     _offloaded(policy)
     moves = policy.on_request("a", 6.0, 600)  # back after 4 s, prediction said 30 s
     assert by_reason(moves, MoveReason.ADMIT) == ["a"] and policy.route("a") == "r0"
-    assert policy.outcomes == {"offload_at_tool_start": 1, "back_while_on_cpu": 1}
-    stats = policy.predictor.error_stats()["shell_long"]
+    assert policy.timed.outcomes == {"offload_at_tool_start": 1, "back_while_on_cpu": 1}
+    stats = policy.forecast.predictor.error_stats()["shell_long"]
     assert stats.n == 1 and stats.abs_p50_s == pytest.approx(26.0)
     assert policy.next_wakeup(6.0) is None
 
@@ -188,10 +188,10 @@ def test_tool_end_loads_back_at_once_and_feeds_the_predictor():
     _offloaded(policy)
     moves = policy.on_tool_end("a", 10.0)
     assert by_reason(moves, MoveReason.PROMOTE_CPU) == ["a"]
-    assert policy.predictor.predict("main", "Bash:pytest") == pytest.approx(8.0)
+    assert policy.forecast.predictor.predict("main", "Bash:pytest") == pytest.approx(8.0)
     policy.on_request("a", 10.5, 600)
     assert policy.route("a") == "r0"
-    assert policy.predictor.error_stats()["shell_long"].n == 1  # scored once, not twice
+    assert policy.forecast.predictor.error_stats()["shell_long"].n == 1  # scored once, not twice
 
 
 def test_tool_end_of_a_program_whose_kv_is_gone_only_feeds_the_predictor():
@@ -205,7 +205,7 @@ def test_tool_end_of_a_program_whose_kv_is_gone_only_feeds_the_predictor():
     policy.set_healthy("r0", True, 2.5)
     assert where(policy, "a") == WAIT
     assert policy.on_tool_end("a", 9.0) == []
-    assert policy.predictor.predict("main", "Bash:pytest") == pytest.approx(8.0)
+    assert policy.forecast.predictor.predict("main", "Bash:pytest") == pytest.approx(8.0)
 
 
 def test_tool_end_of_a_program_whose_kv_is_gone_moves_nothing():
@@ -230,7 +230,7 @@ def test_misprediction_holds_room_only_until_grace_ends():
     moves = policy.tick(predicted_end + 2.0)
     assert by_reason(moves, MoveReason.DEMOTE) == ["a"] and where(policy, "a") == CPU0
     assert where(policy, "d") == GPU0
-    assert policy.calls["a"].promote_tried  # one predictive promotion per tool call
+    assert policy.forecast.calls["a"].promote_tried  # one predictive promotion per tool call
     assert by_reason(policy.tick(predicted_end + 3.0), MoveReason.PROMOTE_PREDICTED) == []
 
 
@@ -261,7 +261,7 @@ def test_predictor_learns_from_the_gaps():
         t = step(policy, "a", t, 200)
         policy.on_tool_start("a", t, "Bash:weird", agent="main")
         t += 3.0
-    assert policy.predictor.predict("main", "Bash:weird") == pytest.approx(3.0, rel=1e-3)
+    assert policy.forecast.predictor.predict("main", "Bash:weird") == pytest.approx(3.0, rel=1e-3)
 
 
 def test_extra_wakeups_do_not_speed_up_moris_rebalance():
@@ -288,7 +288,7 @@ EVENTS = st.lists(
 )
 
 
-def _check_invariants(policy: MoriPolicy) -> None:
+def _check_invariants(policy: MoriEngine) -> None:
     seen: dict[str, int] = {}
     for r in policy.tiers.replicas(healthy_only=False):
         for tier in (Tier.GPU, Tier.CPU):

@@ -21,11 +21,8 @@ from router.policy import PolicyConfig, make_policy, policy_names
 from router.policy.base import Policy
 from router.policy.baselines import ThunderAgentPolicy
 from router.policy.continuum import ContinuumPolicy
-from router.policy.mori import MoriPolicy
-from router.policy.mori_paper import MoriPaperPolicy
-from router.policy.priced import PricedPolicy
+from router.policy.engine import MoriEngine
 from router.policy.runtime import AgentEvent, EventKind
-from router.policy.tokendance import TokenDancePolicy
 from router.policy.types import WAITING, Placement, ReplicaCapacity, Segment, Status, Tier
 
 REPLICAS = ("r0", "r1", "r2")
@@ -60,40 +57,40 @@ def fits_somewhere(policy: Policy, p, now: float) -> bool:
     """Whether a held program has room in a tier its policy may promote it to (as of the
     policy's last promotion pass, at `now`)."""
     healthy = policy.tiers.replicas()
-    if isinstance(policy, TokenDancePolicy) and gathering(policy, p, now):
+    if isinstance(policy, MoriEngine) and policy.gangs and gathering(policy, p, now):
         return False
     if isinstance(policy, ThunderAgentPolicy):
         return any(policy.remaining(r) >= policy.cost(p) for r in healthy)
     if isinstance(policy, ContinuumPolicy):
         return continuum_head_fits(policy, p)
-    if isinstance(policy, PricedPolicy):
+    if isinstance(policy, MoriEngine) and policy.priced:
         healthy = priced_targets(policy, p, healthy, now)
-    if isinstance(policy, MoriPolicy) and policy.bounded:
+    if isinstance(policy, MoriEngine) and policy.bounded:
         healthy = overload_targets(policy, p, healthy, now)
     elif p.placement.tier is Tier.CPU:  # MORI: CPU programs keep their replica
         healthy = [p.placement.replica] if p.placement.replica in healthy else []
-    reserve = policy.promotion_reserve if isinstance(policy, MoriPaperPolicy) else lambda r: 0
+    reserve = policy.promotion_reserve if isinstance(policy, MoriEngine) else lambda r: 0
     return any(
         p.context_tokens <= policy.tiers.free(Placement(Tier.GPU, r)) - reserve(r) for r in healthy
     )
 
 
-def gathering(policy: TokenDancePolicy, p, now: float) -> bool:
+def gathering(policy: MoriEngine, p, now: float) -> bool:
     """Gang release: a round holds its requests, fitting or not, until every expected
     agent is there or `round_gang_s` after its last arrival, a time its `next_wakeup` asks
     the shell to tick at. From then on its members are held requests like any other."""
-    round_id = policy._gang.get(p.program_id)
+    round_id = policy.gangs.gang.get(p.program_id)
     if round_id is None:
         return False
-    held, rnd = policy._held_rounds.get(round_id), policy.rounds.rounds.get(round_id)
-    if held is None or rnd is None or policy._complete(rnd):
+    held, rnd = policy.gangs._held_rounds.get(round_id), policy.rounds.rounds.get(round_id)
+    if held is None or rnd is None or policy.gangs._complete(rnd):
         return False
     deadline = held.last_s + policy.config.round_gang_s
     wake = policy.next_wakeup(now)
     return now < deadline and wake is not None and wake <= deadline
 
 
-def priced_targets(policy: PricedPolicy, p, healthy: list[str], now: float) -> list[str]:
+def priced_targets(policy: MoriEngine, p, healthy: list[str], now: float) -> list[str]:
     """Replica affinity: a program that has run goes back to its own replica, and to another
     only once its wait pays for a recompute there, and never into room that replica's own
     held programs wait for; new programs (or a lost home) go anywhere."""
@@ -102,28 +99,32 @@ def priced_targets(policy: PricedPolicy, p, healthy: list[str], now: float) -> l
         return healthy
     if sticks_home(policy, p):
         return [p.placement.replica]
-    waited_for = {q.last_replica for q in policy._held_programs() if q is not p}
+    waited_for = {q.last_replica for q in policy.held_programs() if q is not p}
     others = [r for r in healthy if r != home and r not in waited_for]
-    return [home, *(r for r in others if policy._leave_for(p, r, now))]
+    return [home, *(r for r in others if policy.placement.leave_for(p, r, now))]
 
 
-def overload_targets(policy: MoriPolicy, p, healthy: list[str], now: float) -> list[str]:
+def overload_targets(policy: MoriEngine, p, healthy: list[str], now: float) -> list[str]:
     """mori's overload rules: a replica that keeps its room for an urgent step in flight
     takes nothing else, and a start at the door goes only where no step in flight waits
     and the programs in flight leave load to spare."""
-    healthy = [r for r in healthy if policy._held_for.get(r, p.program_id) == p.program_id]
-    if p.program_id not in policy.door:
+    healthy = [
+        r for r in healthy if policy.wait_bound.held_for.get(r, p.program_id) == p.program_id
+    ]
+    if p.program_id not in policy.wait_bound.door:
         return healthy
-    waited_for = {q.last_replica for q in policy._every_held() if q.program_id not in policy.door}
-    load = policy._loads(now)  # as the door last summed it
-    room = {r: policy.config.door_load * policy._room(r) for r in healthy}
+    waited_for = {
+        q.last_replica for q in policy.every_held() if q.program_id not in policy.wait_bound.door
+    }
+    load = policy.wait_bound.loads(now)  # as the door last summed it
+    room = {r: policy.config.door_load * policy.wait_bound._room(r) for r in healthy}
     return [r for r in healthy if r not in waited_for and load.get(r, 0.0) < room[r]]
 
 
-def sticks_home(policy: PricedPolicy, p) -> bool:
+def sticks_home(policy: MoriEngine, p) -> bool:
     """mori+tokendance keeps a round's CPU-tier member on its own replica while that
     replica's GPU tier could hold it (its KV is there); not once it shrank below it."""
-    if not isinstance(policy, TokenDancePolicy) or p.program_id not in policy._gang:
+    if policy.gangs is None or p.program_id not in policy.gangs.gang:
         return False
     gpu = Placement(Tier.GPU, p.placement.replica)
     return p.placement.tier is Tier.CPU and p.context_tokens <= policy.tiers.budget(gpu)
@@ -138,7 +139,7 @@ def continuum_head_fits(policy: ContinuumPolicy, p) -> bool:
     (it is an unblocked head that fits)."""
     blocked: set[str] = set()
     held = sorted(
-        (q for q in policy._held_programs() if q.placement.tier is not Tier.GPU),
+        (q for q in policy.every_held() if q.placement.tier is not Tier.GPU),
         key=lambda q: (q.program_id not in policy.pins, q.created_s),
     )
     for q in held:
@@ -265,7 +266,7 @@ def play(policy: Policy, events, sharing: bool = False) -> None:
             policy.set_healthy(args[0], args[1], now)
             last_pass = now
         check_tiers(policy)
-        if isinstance(policy, MoriPaperPolicy | ContinuumPolicy) and not resized:
+        if isinstance(policy, MoriEngine | ContinuumPolicy) and not resized:
             check_immediate(policy, last_pass)
         for pid in policy.programs:
             routed = policy.route(pid)

@@ -119,16 +119,16 @@ CANCELLED_STEP_REOPENS = [
 @pytest.mark.parametrize("name", ["mori+space", "mori-priced+space"])
 def test_pressure_reserves_room_for_the_critical_type(name):
     policy = pressured(name)
-    assert policy.critical == {"app/write"}
-    part = policy.partitions["r0"]
+    assert policy.space.critical == {"app/write"}
+    part = policy.space.partitions["r0"]
     assert part.ratio == 0.5 and 0 < part.reserve["app/write"] <= 500
-    assert policy.space_view()["replicas"]["r0"]["reserve_ratio"] == 0.5
+    assert policy.space.space_view()["replicas"]["r0"]["reserve_ratio"] == 0.5
 
 
 def test_ordinary_promotion_stays_out_of_the_reservation():
     policy = pressured()
     free = policy.tiers.free(GPU0)
-    assert free >= 150 and policy.unused_reserve("r0") > free - 150
+    assert free >= 150 and policy.space.unused_reserve("r0") > free - 150
     ask(policy, "l3", "lead", 11.0, 150)  # fits the free room, not outside the reservation
     policy.tick(15.0)
     assert where(policy, "l3").tier is not Tier.GPU
@@ -137,14 +137,14 @@ def test_ordinary_promotion_stays_out_of_the_reservation():
 def test_critical_request_takes_its_reservation_and_reclaims_it_from_non_critical():
     policy = pressured()
     room = policy.tiers.free(GPU0)
-    own = policy.unused_reserve("r0")
+    own = policy.space.unused_reserve("r0")
     need = min(own, room + 100)  # more than the free room: others sit in its reservation
     assert need > room
     moves = ask(policy, "w1", "write", 11.0, need) + policy.tick(15.0)
     assert where(policy, "w1") == GPU0
     demoted = [m.program_id for m in moves if m.reason is MoveReason.DEMOTE]
     assert demoted and set(demoted) <= {"l1", "l2"}  # non-critical ACTING programs
-    assert policy.critical_promotions == 1
+    assert policy.space.critical_promotions == 1
     assert policy.describe("w1", 15.0)["critical"] is True
 
 

@@ -136,7 +136,7 @@ def test_the_oldest_round_keeps_the_room_and_younger_rounds_yield_it():
     assert p.route("b1")
     moved = [pid for pid in team if p.programs[pid].placement.tier is Tier.CPU]
     assert moved and all(p.route(pid) is None for pid in moved)  # host KV kept, back later
-    assert p.collective["yielded"] + p.collective["displaced"] == len(moved)
+    assert p.gangs.collective["yielded"] + p.gangs.collective["displaced"] == len(moved)
     check_tiers_fit(p)
 
 
@@ -192,7 +192,7 @@ def test_invariants_hold_with_rounds(events, gpu):
     check_after_tick_rounds(p, now + 1.0)
     for pid in list(p.programs):
         p.end(pid, now + 2.0)
-    assert not p._gang and not p._held_rounds and not p.rounds.rounds
+    assert not p.gangs.gang and not p.gangs._held_rounds and not p.rounds.rounds
 
 
 def check_after_tick_rounds(p, now: float) -> None:

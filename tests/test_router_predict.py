@@ -17,7 +17,7 @@ from router.config import load_config
 from router.owner.api import create_app
 from router.owner.controller import Router
 from router.policy import PolicyConfig
-from router.policy.mori import MoriPolicy
+from router.policy.engine import MoriEngine
 from router.policy.types import ReplicaCapacity
 from router.presets import PRESETS
 from router.protocol.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
@@ -63,7 +63,7 @@ async def test_predicted_load_back_runs_on_a_wakeup_between_ticks():
     config = load_config(None, {"replicas": [url], "tick_s": 600}, env={})
     # the time scheduler alone (priced displacement off: B would move A at once; the door
     # open: A's expected growth alone would fill this tiny replica and keep B out)
-    policy = MoriPolicy(
+    policy = MoriEngine(
         PolicyConfig(tick_s=0.2, predict_lead_s=1.5, displace_margin=1e9, door_load=100.0)
     )
     ticks: list[float] = []
@@ -86,7 +86,7 @@ async def test_predicted_load_back_runs_on_a_wakeup_between_ticks():
         live.end_program("B")
         assert policy.describe("A", live.clock())["tier"] == "cpu"  # not due yet
 
-        due = started + 2.25 - policy.load_s(policy.programs["A"]) - 1.5
+        due = started + 2.25 - policy.timed.load_s(policy.programs["A"]) - 1.5
         while policy.describe("A", live.clock())["tier"] == "cpu":
             assert live.clock() < due + 2.0, "no wake-up promoted A"
             await asyncio.sleep(0.01)

@@ -160,14 +160,15 @@ def create_app(
 
     # applications (agent graphs: mori+space) ---------------------------------------------
     def graphs_policy() -> Any:
-        if not hasattr(router.policy, "register_app"):
+        """The policy's space scheduler (`router.policy.space`), which holds the graphs."""
+        if not router.policy.capabilities.apps:
             raise ApiError(
                 400,
                 f"policy {router.policy.name!r} does not schedule by application graph "
                 "(run the router with --policy mori+space or mori-priced+space)",
                 code="unsupported_by_policy",
             )
-        return router.policy
+        return router.policy.space
 
     @app.post("/v1/apps")
     async def register_app(request: Request) -> dict[str, Any]:
@@ -211,10 +212,11 @@ def create_app(
     @app.get("/v1/apps")
     async def list_apps(request: Request) -> dict[str, Any]:
         auth.admin(request.headers)
-        graphs = graphs_policy().graphs
+        space = graphs_policy()
+        graphs = space.graphs
         data = [app_view(a, graphs.shapes_of(a)) for a in graphs.registered]
         data += [app_view(a, graphs.shapes_of(a), True) for a in graphs.inferred]
-        return {"object": "list", "data": data, **router.policy.space_view()}
+        return {"object": "list", "data": data, **space.space_view()}
 
     @app.get("/v1/replicas")
     async def replicas(request: Request) -> dict[str, Any]:

@@ -570,10 +570,11 @@ class Router:
 
     def _install(self, policy: Policy) -> None:
         self.policy = policy
-        self._next_wakeup = getattr(policy, "next_wakeup", None)  # predictive only
-        # agent runtime layer (CacheSage): events in, actions out; None for other policies
-        self._observe = getattr(policy, "observe", None)
-        self._actions = getattr(policy, "runtime_actions", None)
+        can = policy.capabilities  # what the policy answers beyond the event interface
+        self._next_wakeup = policy.next_wakeup if can.wakeups else None
+        # agent runtime layer (CacheSage, apps, rounds): events in, actions out
+        self._observe = policy.observe if can.runtime else None
+        self._actions = policy.runtime_actions if can.runtime else None
 
     def _fresh_policy(self) -> Policy:
         """An empty policy over the same replicas (capacity, health); the old policy's

@@ -6,7 +6,7 @@ not: its next step has a bound (`PolicyConfig.max_step_wait_s`). A program that 
 started loses nothing by waiting before it starts (no context to recompute, no step cut
 in half), and an orchestrator told to come back can back off or scale out. So starts are
 the valve: they wait here in the order they first asked, and are let in only where no
-program in flight is waiting (`MoriPolicy`); a start that cannot be let in before the
+program in flight is waiting (`router.policy.overload`); a start that cannot be let in before the
 gate would time it out is refused at once, with when to come back (`refusals`), and
 keeps its place: its first attempt still orders it when it returns.
 

@@ -170,10 +170,12 @@ class Simulation:
             restore = restore_cost(self.preset.kv_bytes_per_token, self.preset.bytes_s)
             self.approx = ApproxStore(config.approx, restore.fused_s_per_token)
         self._build_policy_and_engines()
-        self._observe = getattr(self.policy, "observe", None)  # runtime-layer policies only
-        self._actions = getattr(self.policy, "runtime_actions", None)
+        can = self.policy.capabilities  # what it answers beyond the event interface
+        self._observe = self.policy.observe if can.runtime else None
+        self._actions = self.policy.runtime_actions if can.runtime else None
         # graph-aware policies (mori+space): apps register their graph when first seen
-        self._register = getattr(self.policy, "register_app", None) if config.app_graphs else None
+        self._register = self.policy.register_app if can.apps and config.app_graphs else None
+        self._wakeup = self.policy.next_wakeup if can.wakeups else None
         self.apps: set[str] = set()
         self.retries = ClientRetries(config.client_retries)
         self._retry_rng = random.Random(f"retries-{config.seed}")  # the corpus' stream stays
@@ -477,8 +479,7 @@ class Simulation:
             self._run_actions(self._actions(self.now))
         if self.gated:
             self._release_gated()
-        wake = getattr(self.policy, "next_wakeup", None)
-        at = wake(self.now) if wake is not None else None
+        at = self._wakeup(self.now) if self._wakeup is not None else None
         if at is not None and at != self.wake_at:
             self.wake_at = at
             self._push(at, _WAKE, None)
