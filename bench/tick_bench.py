@@ -129,7 +129,7 @@ def measure(
         spent, count = churn(policy, rng, now, max(2, programs // 100), made)
         event_ms, events = event_ms + spent, events + count
         now += tick_s
-        held += len(policy._held_programs())
+        held += len(policy.every_held())
         started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
         made.append(policy.tick(now))
         cpu.append((time.thread_time_ns() - started_cpu) / 1e6)

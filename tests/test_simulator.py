@@ -20,7 +20,7 @@ class ForwardAll(Policy):
     name = "forward-all"
 
     def _admit(self, p, now) -> list[Move]:
-        return [self._move(p, Placement(Tier.GPU, "r0"), "admit", now)]
+        return [self.move(p, Placement(Tier.GPU, "r0"), "admit", now)]
 
     def _rebalance(self, now) -> list[Move]:
         return []
@@ -36,7 +36,7 @@ class TickOnly(ForwardAll):
 
     def _rebalance(self, now) -> list[Move]:
         gpu = Placement(Tier.GPU, "r0")
-        return [self._move(p, gpu, "admit", now) for p in self._held_programs()]
+        return [self.move(p, gpu, "admit", now) for p in self.every_held()]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ and warms nothing, and the engine's order is MORI's typed LRU unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from router.policy.program import Program
 from router.policy.runtime import (
@@ -39,11 +39,9 @@ from router.policy.runtime import (
     TypedHints,
     Warm,
 )
+from router.policy.stages import Ledger
 from router.policy.transitions import TransitionLearner
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 HORIZON_TURNS = 2  # survival: P(the role speaks within this many turns of a session)
 ODDS_MAX = 0.5  # hand-over room: only programs less likely than this to speak soon move
@@ -239,7 +237,7 @@ class HandOver:
     for that turn.
     """
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         self.cachesage = CacheSage(self._replica_of, engine.tiers.replicas)
         self.runtime = AgentRuntime([TypedHints(engine), self.cachesage])

@@ -15,7 +15,7 @@ first, taken in order):
   priority, so an event stays cheap at 10 000 programs. Its pools are kept between ticks
   and re-ranked in turns.
 
-Either way the request and its victims move in one swap (`MoriEngine.swap_in`).
+Either way the request and its victims move in one swap (`Ledger.swap_in`).
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ import heapq
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
 from itertools import count
-from typing import TYPE_CHECKING
 
 from router.policy.ordering import Idleness, held_class
 from router.policy.program import Program
+from router.policy.stages import Ledger
 from router.policy.types import Move, Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 EVENT_CANDIDATES = 8  # held requests (by priority) that may displace on an event
 REFRESH_PROGRAMS = 1000  # GPU programs whose expected idle time a tick re-ranks (at least
@@ -50,7 +47,7 @@ def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
 class IdlenessPool:
     """ACTING GPU programs per replica, most idle first, built on first use in a pass."""
 
-    def __init__(self, engine: MoriEngine, idleness: Idleness) -> None:
+    def __init__(self, engine: Ledger, idleness: Idleness) -> None:
         self._engine = engine
         self._idleness = idleness
         self._hysteresis = engine.config.hysteresis
@@ -120,7 +117,7 @@ def pool_kind(p: Program, replica: str, aged: bool) -> str:
 class PricedDisplacement:
     """The priced pass, its victim pools and the queue of held requests by priority."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         self.victims = PricedPool(engine)
         self.queue = HeldQueue()
@@ -247,7 +244,7 @@ class PricedPool:
     aged requests (ticks only) may take any ACTING program.
     """
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self._engine = engine
         self._pools: dict[tuple[str, str], list[_Entry]] = {}
         self._tokens: dict[tuple[str, str], int] = {}  # per pool: its entries' tokens

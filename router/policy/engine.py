@@ -47,21 +47,18 @@ from __future__ import annotations
 import heapq
 from dataclasses import replace
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from router.policy.base import Capabilities, Policy, PolicyConfig
 from router.policy.displacement import IdlenessPool, PricedDisplacement
 from router.policy.forecast import Forecast
-from router.policy.ordering import Idleness
-from router.policy.placement import Free, Targets, affine_first
+from router.policy.placement import affine_first
 from router.policy.program import Program
 from router.policy.reservation import BandWaiver
+from router.policy.runtime import AgentEvent
+from router.policy.stages import Free, Idleness, Targets
 from router.policy.timed import EPS, TimeScheduler
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.ladder import Rung
-    from router.policy.runtime import AgentEvent
 
 DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
 
@@ -82,7 +79,8 @@ def _memo_idleness(now: float) -> Idleness:
 class MoriEngine(Policy):
     """MORI's tiers with the stages of one rung of the ladder (module docstring)."""
 
-    def __init__(self, rung: Rung, config: PolicyConfig | None = None) -> None:
+    def __init__(self, rung: Any, config: PolicyConfig | None = None) -> None:
+        """`rung`: a row of the ladder (`router.policy.ladder.Rung`), its stages."""
         super().__init__(config)
         self.name = rung.name  # type: ignore[misc]
         self.rung = rung

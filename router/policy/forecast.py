@@ -18,14 +18,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from router.policy.predictor import DurationPredictor
 from router.policy.program import Program
+from router.policy.stages import Ledger
 from router.policy.types import Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 UNKNOWN_TOOL = "unknown"  # a gap whose tool the router was not told
 RETURN_WAIT_ALPHA = 0.1  # weight of the newest return wait in `return_wait_s`
@@ -50,7 +47,7 @@ class ToolCall:
 class Forecast:
     """The tool calls programs are in, the durations learned from them, and move prices."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         config = engine.config
         self.predictor = DurationPredictor(config.ewma_alpha, config.hint_alpha)

@@ -16,15 +16,12 @@ The client's agent-hint priority goes before all of them (the pass sorts by it l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from router.policy.program import Program
+from router.policy.stages import Idleness, Ledger
 from router.policy.types import Tier
 
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
-
-Idleness = Callable[[Program], float]
 Classes = tuple[list[Program], list[Program], list[Program]]  # on CPU, returning, new
 Rank = Callable[[Program], tuple]
 
@@ -55,7 +52,7 @@ def held_class(p: Program) -> int:
 class IdlenessOrder:
     """The paper's order: least idle first in classes 1 and 2, smallest first in class 3."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
 
     def order_classes(self, classes: Classes, idleness: Idleness, now: float) -> None:
@@ -75,7 +72,7 @@ class ActivityDensity:
     uses the room. The greedy value-per-weight order beat both
     (bench/results/2026-11-24-policy-matrix.md)."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         self._paper = IdlenessOrder(engine)
 
@@ -106,7 +103,7 @@ class HybridPriority:
     """An app's hybrid priority (`router.policy.space`) before the inner order, within
     each class and after the client's own priority."""
 
-    def __init__(self, engine: MoriEngine, inner: Ranking) -> None:
+    def __init__(self, engine: Ledger, inner: Ranking) -> None:
         self.engine = engine
         self.inner = inner
 

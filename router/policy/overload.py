@@ -15,15 +15,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from router.policy.displacement import FRESH, in_tool_calls
 from router.policy.door import Door
 from router.policy.program import Program
+from router.policy.stages import Ledger
 from router.policy.types import Move, MoveReason, Placement, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 URGENT_SHARE = 0.5  # a held step in flight goes first after this share of max_step_wait_s
 # a program's life-mean context per token of its first prompt, before ...: the real Claude
@@ -37,7 +34,7 @@ LIFE_ALPHA = 0.05  # weight of the newest ended program in the mean context of a
 class WaitBound:
     """The door, the held steps in flight and the room kept for urgent ones."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         self.door = Door()  # starts waiting to be let in
         # held requests of programs in flight (served once), oldest arrival first

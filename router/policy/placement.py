@@ -1,7 +1,7 @@
 """Placement: which replicas a held request may take room on, in the order tried.
 
 The engine (`router.policy.engine`) packs held WAITING requests by Best-Fit-Decreasing
-(`MoriEngine.best_fit`) and swaps on replicas; the rung's placement says where each
+(`Ledger.best_fit`) and swaps on replicas; the rung's placement says where each
 request may go. Two stages:
 
 * `LastReplicaFirst` (MORI 4.3.1): the program's last replica, whose host tier may still
@@ -15,17 +15,11 @@ request may go. Two stages:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from router.policy.program import Program
+from router.policy.stages import Free, Ledger
 from router.policy.types import Move, Placement, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
-
-Free = dict[str, int]  # replica -> GPU room a pass may still fill
-Targets = Callable[[Program, Free, float], list[str]]
 
 
 class Placing(Protocol):
@@ -59,7 +53,7 @@ def spread_order(free: Free, programs: dict[str, int]) -> list[str]:
 class LastReplicaFirst:
     """The paper's placement."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
 
     def replicas_for(self, p: Program, free: Free, now: float) -> list[str]:
@@ -78,7 +72,7 @@ class LastReplicaFirst:
 class HomeFirst:
     """Affinity with ski rental, and room offered to each replica's own programs first."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
 
     def replicas_for(

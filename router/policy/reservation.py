@@ -1,7 +1,7 @@
 """Reservation: room a promotion pass leaves free.
 
 The growth band (every rung): promotions leave free, per replica, the last-step context
-growth of its REASONING programs (`MoriEngine.growth_band`, kept in the ledger), so their
+growth of its REASONING programs (`Ledger.growth_band`, kept in the ledger), so their
 steps' growth does not overflow a brim-full tier.
 
 Agent contexts grow every step (tool result + output). A tier packed to the brim overflows
@@ -20,12 +20,8 @@ the band that programs in tool calls would absorb is not held).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from router.policy.stages import Ledger
 from router.policy.types import Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 
 class BandWaiver:
@@ -46,7 +42,7 @@ class BandWaiver:
     lost up to 2 %; without the idleness test the Claude sample gained about half as much.
     """
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
 
     def waived(self, replica: str, now: float) -> int:

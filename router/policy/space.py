@@ -47,15 +47,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from router.policy.app_graph import AppGraphs, Shape, check_edges
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities
+from router.policy.stages import Ledger
 from router.policy.types import Move, Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 
 def static_priority(shape: Shape | None, w_static: float) -> float:
@@ -84,7 +82,7 @@ class Partition:
 class SpaceScheduler:
     """Tokencake's space scheduler, a stage of the engine (see the module docstring)."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         self.graphs = AppGraphs()
         self.partitions: dict[str, Partition] = {}

@@ -31,15 +31,12 @@ The forecast needs finer timing than the tick: `wakeups` says when the shell sho
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from router.policy.forecast import Forecast, ToolCall
 from router.policy.ordering import Idleness
 from router.policy.program import Program
+from router.policy.stages import Ledger
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 EPS = 1e-9
 
@@ -47,7 +44,7 @@ EPS = 1e-9
 class TimeScheduler:
     """Offload at tool start, predictive promotion and the protection it gives."""
 
-    def __init__(self, engine: MoriEngine, forecast: Forecast) -> None:
+    def __init__(self, engine: Ledger, forecast: Forecast) -> None:
         self.engine = engine
         self.forecast = forecast
         self.protected_until: dict[str, float] = {}  # predicted-promoted: safe from demotion

@@ -38,16 +38,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from router.policy.placement import spread_order
 from router.policy.program import Program
 from router.policy.rounds import Round
 from router.policy.runtime import PushScores
+from router.policy.stages import Ledger
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
-
-if TYPE_CHECKING:
-    from router.policy.engine import MoriEngine
 
 SERVICE_ALPHA = 0.2  # weight of the newest round's service time
 DEFAULT_SERVICE_S = 2.0  # a round's service time assumed before any was measured
@@ -65,7 +63,7 @@ class _Held:
 class Gangs:
     """Rounds released, placed and kept together (module docstring)."""
 
-    def __init__(self, engine: MoriEngine) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         self.rounds = engine.rounds
         self._held_rounds: dict[str, _Held] = {}  # round id -> its held requests
@@ -475,7 +473,7 @@ class Gangs:
         view["round_group"] = self._group.get(p.program_id)
 
 
-def _need(members: Iterable[Program], replica: str | None, engine: MoriEngine) -> int:
+def _need(members: Iterable[Program], replica: str | None, engine: Ledger) -> int:
     """GPU tokens the round's members not on GPU(replica) add there, each shared segment
     once (and not at all if the replica's GPU tier holds it already)."""
     place = Placement(Tier.GPU, replica) if replica is not None else WAITING
