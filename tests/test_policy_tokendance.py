@@ -151,7 +151,7 @@ NAMES = ("mori", "mori+tokendance")
 
 def test_without_rounds_the_moves_are_moris():
     """The same random load (no rounds, no segments) through both: identical moves (mori
-    without its overload rules, which rounds replace: `TokenDancePolicy.bounded`)."""
+    without its overload rules, which rounds replace: its rung has no wait bound)."""
     runs = [
         random_load_moves(policy(name, replicas=2, gpu=3_000, max_step_wait_s=0.0), 3)
         for name in NAMES

@@ -2,7 +2,7 @@
 `mori-priced+space` (`mori-priced` with it).
 
 `mori` already carries Tokencake's *time* scheduler (offload at tool start when the
-window pays, predictive load-back: `router.policy.mori`), so `mori+space` is Tokencake's
+window pays, predictive load-back: `router.policy.timed`), so `mori+space` is Tokencake's
 two schedulers together; `mori-priced+space` is the space scheduler without the time
 scheduler. Both add the *space* scheduler for multi-agent applications whose agents form
 a graph (`router.policy.app_graph`: registered through `POST /v1/apps` or a trace's
