@@ -43,6 +43,7 @@ from router.policy.types import (
     Segment,
     Status,
     Tier,
+    ToolStart,
 )
 
 
@@ -169,23 +170,14 @@ class Policy(ABC):
             ),
         )
 
-    def observe_step(
-        self,
-        replica: str,
-        prompt_tokens: int,
-        cached_device: int,
-        cached_host: int,
-        ttft_s: float,
-        output_tokens: int = 0,
-        decode_s: float = 0.0,
-    ) -> None:
+    def observe_step(self, replica: str, *measured: float) -> None:
         """What one answered request cost inside the engine (timed from forwarding): the
-        replica's prices follow it (`router.policy.prices`)."""
+        replica's prices follow it. `measured`: prompt tokens, cached on device, cached on
+        host, TTFT (s), and optionally output tokens and decode seconds, as
+        `ReplicaPrices.observe` takes them (`router.policy.prices`)."""
         prices = self.prices.get(replica)
         if prices is not None:
-            prices.observe(
-                prompt_tokens, cached_device, cached_host, ttft_s, output_tokens, decode_s
-            )
+            prices.observe(*measured)  # type: ignore[arg-type]
 
     def largest_gpu_budget(self) -> int | None:
         """The largest healthy replica's GPU budget (None: no healthy replica). A request
@@ -320,11 +312,15 @@ class Policy(ABC):
     ) -> list[Move]:
         """The agent is about to run `tool` (seen in the response, or told by the client).
 
-        Reactive policies only record it (`describe` shows it); predictive ones
-        (Tokencake) act on it, and call this first.
+        Every policy records it (`describe` shows it); those that act on it (Tokencake's
+        time scheduler, Continuum's pins) do so in `_tool_started`.
         """
         if program_id in self.programs:
             self.last_tool[program_id] = (tool, agent)
+        return self._tool_started(program_id, now, ToolStart(tool, agent, predict_s))
+
+    def _tool_started(self, program_id: str, now: float, call: ToolStart) -> list[Move]:
+        """What the policy does when a tool call starts (nothing by default)."""
         return []
 
     def on_tool_end(self, program_id: str, now: float) -> list[Move]:

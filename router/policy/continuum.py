@@ -34,7 +34,16 @@ from collections import deque
 
 from router.policy.base import Capabilities, Policy, PolicyConfig
 from router.policy.program import Program
-from router.policy.types import WAITING, EngineMode, Move, MoveReason, Placement, Status, Tier
+from router.policy.types import (
+    WAITING,
+    EngineMode,
+    Move,
+    MoveReason,
+    Placement,
+    Status,
+    Tier,
+    ToolStart,
+)
 
 K_COLD = 100  # tool records before the empirical CDF is trusted (section 4.2)
 MIN_TTL_S = 0.01  # shorter TTLs are not pinned (the authors' code)
@@ -110,25 +119,17 @@ class ContinuumPolicy(Policy):
             self._unpinned_wait[program_id] = now
         return super().on_request(program_id, now, context_tokens)
 
-    def on_tool_start(
-        self,
-        program_id: str,
-        now: float,
-        tool: str,
-        agent: str | None = None,
-        predict_s: float | None = None,
-    ) -> list[Move]:
+    def _tool_started(self, program_id: str, now: float, call: ToolStart) -> list[Move]:
         """The step ended in a tool call: pin for tau*, or release now."""
-        moves = super().on_tool_start(program_id, now, tool, agent, predict_s)
         p = self.programs.get(program_id)
         if p is None or program_id not in self.pins or p.status is not Status.ACTING:
-            return moves
-        self._tool[program_id] = tool
-        ttl = self.ttl_s(p, tool)
+            return []
+        self._tool[program_id] = call.tool
+        ttl = self.ttl_s(p, call.tool)
         if ttl > MIN_TTL_S:
             self.pins[program_id] = now + ttl
-            return moves
-        return moves + self._unpin(p, now) + self._schedule(now)
+            return []
+        return self._unpin(p, now) + self._schedule(now)
 
     def cancel(self, program_id: str, now: float) -> list[Move]:
         """A head that gave up no longer blocks the requests behind it."""

@@ -58,7 +58,7 @@ from router.policy.reservation import BandWaiver
 from router.policy.runtime import AgentEvent
 from router.policy.stages import Free, Idleness, Targets
 from router.policy.timed import EPS, TimeScheduler
-from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
+from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier, ToolStart
 
 DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
 
@@ -277,20 +277,12 @@ class MoriEngine(Policy):
             moves += self.gangs.schedule(now)
         return moves + self.handover.make_room(now) if self.handover else moves
 
-    def on_tool_start(
-        self,
-        program_id: str,
-        now: float,
-        tool: str,
-        agent: str | None = None,
-        predict_s: float | None = None,
-    ) -> list[Move]:
+    def _tool_started(self, program_id: str, now: float, call: ToolStart) -> list[Move]:
         """A tool call starts: it is forecast, and offloaded if that pays (`timed`)."""
-        super().on_tool_start(program_id, now, tool, agent, predict_s)
         p = self.programs.get(program_id)
         if p is None or p.status is not Status.ACTING or self.forecast is None:
             return []
-        self.forecast.tool_started(p, agent, tool, predict_s)
+        self.forecast.tool_started(p, call)
         return self.timed.tool_started(p, now) if self.timed else []
 
     def on_tool_end(self, program_id: str, now: float) -> list[Move]:
@@ -707,28 +699,26 @@ class MoriEngine(Policy):
         """Phase mismatch: swap `p` in for clearly more idle ACTING programs, or do nothing
         (an aged request swaps out the most idle ACTING ones, with no hysteresis bar)."""
         chosen = victims.take(replica, p, p.context_tokens - free[replica], aged)
-        return self.swap_in(p, replica, chosen, free, now, reason) if chosen else []
+        if not chosen:
+            return []
+        moves = self.swap_in(p, replica, chosen, free, now)
+        if reason is not None:  # the pass's class, not where `p` comes from
+            moves[-1] = replace(moves[-1], reason=reason)
+        return moves
 
     def swap_in(
-        self,
-        p: Program,
-        replica: str,
-        victims: list[Program],
-        free: Free,
-        now: float,
-        reason: MoveReason | None = None,
+        self, p: Program, replica: str, victims: list[Program], free: Free, now: float
     ) -> list[Move]:
         """`p` onto GPU(replica) and `victims` off it (their CPU tier where they keep a
-        host copy, else WAITING), in one swap; `free[replica]` shrinks by what the tier
-        grew (shared segments count once). `reason`: by where `p` comes from if None."""
-        if reason is None:
-            reason = (
-                MoveReason.PROMOTE_CPU
-                if p.placement.tier is Tier.CPU
-                else MoveReason.PROMOTE_WAITING
-                if p.steps > 0
-                else MoveReason.PROMOTE_NEW
-            )
+        host copy, else WAITING), in one swap, the move of `p` last; `free[replica]`
+        shrinks by what the tier grew (shared segments count once)."""
+        reason = (
+            MoveReason.PROMOTE_CPU
+            if p.placement.tier is Tier.CPU
+            else MoveReason.PROMOTE_WAITING
+            if p.steps > 0
+            else MoveReason.PROMOTE_NEW
+        )
         gpu = Placement(Tier.GPU, replica)
         before = self.tiers.used(gpu)  # the change, not a sum: shared segments count once
         moves = [self.move(p, gpu, reason, now)]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from router.policy.predictor import DurationPredictor
 from router.policy.program import Program
 from router.policy.stages import Ledger
-from router.policy.types import Placement, Status, Tier
+from router.policy.types import Placement, Status, Tier, ToolStart
 
 UNKNOWN_TOOL = "unknown"  # a gap whose tool the router was not told
 RETURN_WAIT_ALPHA = 0.1  # weight of the newest return wait in `return_wait_s`
@@ -56,10 +56,10 @@ class Forecast:
         self.return_wait_s = 0.0  # EWMA of those requests' gate waits (Continuum's T)
 
     # the calls ------------------------------------------------------------------------
-    def tool_started(self, p: Program, agent: str | None, tool: str, hint_s: float | None) -> None:
-        """ACTING `p` runs `tool`: its call is predicted from now."""
-        predicted = self.predictor.predict(agent, tool, hint_s)
-        self.calls[p.program_id] = ToolCall(tool, agent, p.interval_start, predicted)
+    def tool_started(self, p: Program, call: ToolStart) -> None:
+        """ACTING `p` starts `call`: its duration is predicted from its step's end."""
+        predicted = self.predictor.predict(call.agent, call.tool, call.predict_s)
+        self.calls[p.program_id] = ToolCall(call.tool, call.agent, p.interval_start, predicted)
 
     def request_came(self, program_id: str, p: Program | None, now: float) -> None:
         """The gap that just closed is one more observed tool duration; a program off the

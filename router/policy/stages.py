@@ -70,11 +70,5 @@ class Ledger(Protocol):
         self, ranked: list[Program], free: Free, now: float, moves: list[Move], targets: Targets
     ) -> list[Program]: ...
     def swap_in(
-        self,
-        p: Program,
-        replica: str,
-        victims: list[Program],
-        free: Free,
-        now: float,
-        reason: MoveReason | None = None,
+        self, p: Program, replica: str, victims: list[Program], free: Free, now: float
     ) -> list[Move]: ...

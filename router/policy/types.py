@@ -148,6 +148,16 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolStart:
+    """A tool call a program starts: the tool, the agent role running it, and the
+    duration the client predicts for it (Tokencake's `predict_time`), if it says."""
+
+    tool: str
+    agent: str | None = None
+    predict_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaCapacity:
     """Token budgets of one replica's two tiers."""
 
