@@ -122,8 +122,8 @@ class Driver:
         self.ids = count()
         # optional abilities of some policies (agent runtime layer, app graphs, wake-ups)
         can = self.policy.capabilities
-        self._observe = self.policy.observe if can.runtime else None
-        self._actions = self.policy.runtime_actions if can.runtime else None
+        self._observe = self.policy.observe if can.observes else None
+        self._actions = self.policy.runtime_actions if can.acts else None
         self._wakeup = self.policy.next_wakeup if can.wakeups else None
         if can.apps:
             self.policy.register_app("pipe", [list(edge) for edge in PIPELINE])

@@ -573,8 +573,8 @@ class Router:
         can = policy.capabilities  # what the policy answers beyond the event interface
         self._next_wakeup = policy.next_wakeup if can.wakeups else None
         # agent runtime layer (CacheSage, apps, rounds): events in, actions out
-        self._observe = policy.observe if can.runtime else None
-        self._actions = policy.runtime_actions if can.runtime else None
+        self._observe = policy.observe if can.observes else None
+        self._actions = policy.runtime_actions if can.acts else None
 
     def _fresh_policy(self) -> Policy:
         """An empty policy over the same replicas (capacity, health); the old policy's

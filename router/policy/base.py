@@ -51,12 +51,14 @@ from router.policy.types import (
 class Capabilities:
     """What a policy does beyond the event interface, for the shells to call (declared,
     never probed): `wakeups`, it wants `tick` at `next_wakeup(now)` besides its period;
-    `runtime`, it reads agent events (`observe`) and answers runtime actions
-    (`runtime_actions`: scores, priorities, warm-ups); `apps`, it takes application graphs
-    (`register_app`, `POST /v1/apps`)."""
+    `observes`, it reads agent events (`observe`: identity, session, app; the router then
+    carries anchors to it); `acts`, it answers runtime actions (`runtime_actions`: scores,
+    priorities, warm-ups); `apps`, it takes application graphs (`register_app`,
+    `POST /v1/apps`)."""
 
     wakeups: bool = False
-    runtime: bool = False
+    observes: bool = False
+    acts: bool = False
     apps: bool = False
 
 

@@ -108,7 +108,8 @@ class MoriEngine(Policy):
         self.gangs = rung.gangs(self) if rung.gangs else None
         self.capabilities = Capabilities(
             wakeups=self.timed is not None,
-            runtime=any((self.space, self.handover, self.gangs)),
+            observes=self.space is not None or self.handover is not None,
+            acts=any((self.space, self.handover, self.gangs)),
             apps=self.space is not None,
         )
 

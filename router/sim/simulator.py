@@ -171,8 +171,8 @@ class Simulation:
             self.approx = ApproxStore(config.approx, restore.fused_s_per_token)
         self._build_policy_and_engines()
         can = self.policy.capabilities  # what it answers beyond the event interface
-        self._observe = self.policy.observe if can.runtime else None
-        self._actions = self.policy.runtime_actions if can.runtime else None
+        self._observe = self.policy.observe if can.observes else None
+        self._actions = self.policy.runtime_actions if can.acts else None
         # graph-aware policies (mori+space): apps register their graph when first seen
         self._register = self.policy.register_app if can.apps and config.app_graphs else None
         self._wakeup = self.policy.next_wakeup if can.wakeups else None
