@@ -50,14 +50,12 @@ from itertools import count
 from typing import Any
 
 from router.policy.base import Capabilities, Policy, PolicyConfig
-from router.policy.displacement import IdlenessPool, PricedDisplacement
-from router.policy.forecast import Forecast
+from router.policy.displacement import IdlenessPool
 from router.policy.placement import affine_first
 from router.policy.program import Program
-from router.policy.reservation import BandWaiver
 from router.policy.runtime import AgentEvent
 from router.policy.stages import Free, Idleness, Targets
-from router.policy.timed import EPS, TimeScheduler
+from router.policy.timed import EPS
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier, ToolStart
 
 DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
@@ -96,12 +94,12 @@ class MoriEngine(Policy):
         self.step_s = DEFAULT_STEP_S  # EWMA of observed reasoning (engine) time per step
         self._next_rebalance_s = float("-inf")
         # the stages
-        self.forecast = Forecast(self) if rung.priced else None
         self.ordering = rung.ordering(self)
         self.placement = rung.placement(self)
-        self.priced = PricedDisplacement(self) if rung.priced else None
-        self.waiver = BandWaiver(self) if rung.band_waiver else None
-        self.timed = TimeScheduler(self, self.forecast) if rung.timed and self.forecast else None
+        self.forecast = rung.forecast(self) if rung.forecast else None  # before its users
+        self.priced = rung.priced(self) if rung.priced else None
+        self.waiver = rung.waiver(self) if rung.waiver else None
+        self.timed = rung.timed(self) if rung.timed else None
         self.wait_bound = rung.wait_bound(self) if rung.wait_bound else None
         self.space = rung.space(self) if rung.space else None
         self.handover = rung.handover(self) if rung.handover else None

@@ -24,11 +24,15 @@ from typing import Any
 
 from router.policy.base import PolicyConfig
 from router.policy.cachesage import HandOver
+from router.policy.displacement import PricedDisplacement
 from router.policy.engine import MoriEngine
+from router.policy.forecast import Forecast
 from router.policy.ordering import ActivityDensity, HybridPriority, IdlenessOrder
 from router.policy.overload import WaitBound
 from router.policy.placement import HomeFirst, LastReplicaFirst
+from router.policy.reservation import BandWaiver
 from router.policy.space import SpaceScheduler
+from router.policy.timed import TimeScheduler
 from router.policy.tokendance import Gangs
 
 Stage = Callable[[MoriEngine], Any]
@@ -40,15 +44,17 @@ def _hybrid(engine: MoriEngine) -> HybridPriority:
 
 @dataclass(frozen=True)
 class Rung:
-    """One MORI policy: its name and the stages the engine runs for it."""
+    """One MORI policy: its name and the stages the engine runs for it (None: not this
+    rung's). A stage is built with the engine, in the order of the fields."""
 
     name: str
     ordering: Stage
     placement: Stage
     aging_s: float = 1800.0  # chosen by the sweep in docs/policy.md ("Aging")
-    priced: bool = True  # tool-call forecast and priced displacement
-    band_waiver: bool = True
-    timed: bool = True  # offload at tool start, predictive promotion
+    forecast: Stage | None = Forecast
+    priced: Stage | None = PricedDisplacement
+    waiver: Stage | None = BandWaiver
+    timed: Stage | None = TimeScheduler
     wait_bound: Stage | None = WaitBound
     space: Stage | None = None
     handover: Stage | None = None
@@ -58,16 +64,17 @@ class Rung:
         return MoriEngine(self, config)
 
 
-_PRICED = {"band_waiver": False, "timed": False, "wait_bound": None}  # no time scheduler
+_PRICED = {"waiver": None, "timed": None, "wait_bound": None}  # no time scheduler
 
 MORI_PAPER = Rung(
     "mori-paper",
     IdlenessOrder,
     LastReplicaFirst,
     aging_s=0.0,  # the paper has no aging; `aging_s` turns ours on
-    priced=False,
-    band_waiver=False,
-    timed=False,
+    forecast=None,
+    priced=None,
+    waiver=None,
+    timed=None,
     wait_bound=None,
 )
 MORI_PRICED = Rung("mori-priced", ActivityDensity, HomeFirst, **_PRICED)

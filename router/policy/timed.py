@@ -44,9 +44,9 @@ EPS = 1e-9
 class TimeScheduler:
     """Offload at tool start, predictive promotion and the protection it gives."""
 
-    def __init__(self, engine: Ledger, forecast: Forecast) -> None:
+    def __init__(self, engine: Ledger) -> None:
         self.engine = engine
-        self.forecast = forecast
+        self.forecast: Forecast = engine.forecast  # the calls it acts on
         self.protected_until: dict[str, float] = {}  # predicted-promoted: safe from demotion
         # What the predictions did, for reports: offloads, predicted promotions, and how
         # offloaded programs came back (already on GPU, or before their promotion).
