@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.policy import REGISTRY
+from router.policy import REGISTRY, make_policy
+from router.policy.base import Policy
+from router.policy.engine import MoriEngine
 from tests.policy_golden import (
     GOLDEN,
     first_difference,
@@ -43,3 +45,40 @@ def test_a_changed_decision_is_caught_and_shown() -> None:
 
 def test_the_registry_and_the_traces_agree() -> None:
     assert sorted({policy for policy, _ in traces()}) == sorted(REGISTRY)
+
+
+def _policy_classes() -> set[type[Policy]]:
+    """Every class behind a registered policy, and the classes it derives from."""
+    made = {type(make_policy(name)) for name in REGISTRY}
+    return {k for cls in made for k in cls.__mro__ if issubclass(k, Policy) and k is not Policy}
+
+
+def _overridden_twice(cls: type[Policy]) -> dict[str, list[str]]:
+    """Methods defined by more than one class of `cls`'s chain below `Policy`."""
+    chain = [k for k in cls.__mro__ if issubclass(k, Policy) and k is not Policy]
+    defined: dict[str, list[str]] = {}
+    for k in chain:
+        for attr, value in vars(k).items():
+            if callable(value) or isinstance(value, property | staticmethod | classmethod):
+                defined.setdefault(attr, []).append(k.__name__)
+    return {attr: owners for attr, owners in defined.items() if len(owners) > 1}
+
+
+def test_no_policy_method_is_overridden_twice_along_a_chain() -> None:
+    """The policies are the engine with stages, and baselines of their own: along any
+    class chain below `Policy` a method is defined once (no override of an override, so
+    no `super()` chain of three), and every MORI rung is the one engine class."""
+    for cls in _policy_classes():
+        assert not _overridden_twice(cls), f"{cls.__name__}: {_overridden_twice(cls)}"
+    rungs = {type(make_policy(name)) for name in REGISTRY if name.startswith("mori")}
+    assert rungs == {MoriEngine}
+
+
+def test_the_override_check_can_fail() -> None:
+    """A class that overrides an override is caught (the check above is not vacuous)."""
+
+    class Twice(MoriEngine):
+        def tick(self, now: float) -> list:
+            return super().tick(now)
+
+    assert _overridden_twice(Twice) == {"tick": ["Twice", "MoriEngine"]}

@@ -16,6 +16,7 @@ docs/policy.md): a baseline is never weakened.
 from __future__ import annotations
 
 from collections import Counter
+from typing import ClassVar
 
 from router.policy.base import Policy, PolicyConfig
 from router.policy.program import Program
@@ -96,10 +97,11 @@ class ThunderAgentPolicy(Policy):
 
     name = "ta"
     sends_hints = False
+    host_tier: ClassVar[bool] = False  # the engines' HiCache host tier (`ta+o`: on)
 
     @property
     def engine_mode(self) -> EngineMode:
-        return EngineMode(eviction="lru", host_tier=False)
+        return EngineMode(eviction="lru", host_tier=self.host_tier)
 
     @staticmethod
     def cost(p: Program) -> int:
@@ -194,7 +196,4 @@ class ThunderAgentOffloadPolicy(ThunderAgentPolicy):
     """ThunderAgent with the engine's HiCache host tier on (its own LRU, no hints)."""
 
     name = "ta+o"
-
-    @property
-    def engine_mode(self) -> EngineMode:
-        return EngineMode(eviction="lru", host_tier=True)
+    host_tier = True
