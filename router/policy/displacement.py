@@ -155,9 +155,8 @@ class PricedDisplacement:
             return []
         if at_tick:
             candidates = self.priority_order(engine.held_programs(), now)
-        else:
-            rank = engine.ordering.rank(now)  # type: ignore[attr-defined]
-            candidates = self.queue.top(EVENT_CANDIDATES, rank)
+        else:  # the rank is only built if an entry must be ranked again
+            candidates = self.queue.top(EVENT_CANDIDATES, lambda: engine.ordering.rank(now))  # type: ignore[attr-defined]
         if not candidates:
             return []
         free = engine.free_room(now) if free is None else free
@@ -217,14 +216,18 @@ class HeldQueue:
             if p.placement.tier is not Tier.GPU:
                 self.push(p, rank)
 
-    def top(self, k: int, rank: Callable[[Program], tuple]) -> list[Program]:
+    def top(self, k: int, rank_now: Callable[[], Callable[[Program], tuple]]) -> list[Program]:
+        """The first `k` held requests still waiting; `rank_now()`: the rank to push again
+        an entry whose program moved between classes."""
         out: list[tuple[tuple, int, Program, float]] = []
+        rank = None
         while self._heap and len(out) < k:
             entry = heapq.heappop(self._heap)
             p = entry[2]
             if not p.pending or p.last_active_s != entry[3] or p.placement.tier is Tier.GPU:
                 continue
             if held_class(p) != entry[0][0]:  # moved between classes: re-rank it
+                rank = rank or rank_now()
                 self.push(p, rank)
                 continue
             out.append(entry)
@@ -281,7 +284,9 @@ class PricedPool:
             idle: list[float | None] = list(forecast.expected_idle_many(members, now))  # type: ignore[union-attr]
         else:
             room = forecast.host_room(replica)  # type: ignore[union-attr]
-            costs = [self._cost_s(q, kind, room) for q in members]
+            margin = engine.config.displace_margin
+            moves = forecast.move_costs_s(members, replica, kind == FRESH, room)  # type: ignore[union-attr]
+            costs = [margin * cost for cost in moves]
             idle = forecast.idles_if_moves_pay(members, costs, now)  # type: ignore[union-attr]
         entries = (self._new_entry(q, i) for q, i in zip(members, idle, strict=True))
         return sorted(e for e in entries if e)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 from router.policy.predictor import DurationPredictor
 from router.policy.program import Program
 from router.policy.stages import Ledger
@@ -203,6 +205,22 @@ class Forecast:
         return engine.prices[replica].recompute_s(p.context_tokens) * (
             1 + engine.reasoning_on(replica)
         )
+
+    def move_costs_s(
+        self, programs: list[Program], replica: str, fresh: bool, room: int
+    ) -> list[float]:
+        """`move_cost_s` of each of `programs` (ACTING on GPU(replica)), kept on host as
+        `victim_keeps_copy` says with the host room `room`: the same floats (the same
+        operations in the same order, element-wise in numpy). A victim pool prices a
+        replica's few hundred programs in tool calls at once."""
+        prices = self.engine.prices[replica]
+        tokens = np.array([p.context_tokens for p in programs], dtype=float)
+        kept = tokens <= room if fresh else np.full(len(programs), room >= 0)
+        reload = tokens * prices.load.value
+        growth = 1.0 + (tokens / 2) / prices.attention_tokens  # ReplicaPrices.growth(t, 0)
+        stalled = 1 + self.engine.reasoning_on(replica)
+        recompute = tokens * prices.prefill.value * growth * stalled + self.return_wait_s
+        return np.where(kept, reload, recompute).tolist()
 
     def move_cost_s(self, p: Program, kept_on_host: bool) -> float:
         """What moving `p` off its GPU tier costs, in seconds.

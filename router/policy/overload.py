@@ -112,10 +112,13 @@ class WaitBound:
         nothing else is placed there meanwhile, so its wait is bounded by a step."""
         engine, tiers = self.engine, self.engine.tiers
         self.held_for.clear()
+        urgent = self.urgent(now)
+        if not urgent:  # most passes: nothing has waited that long
+            return []
         moves: list[Move] = []
         healthy = set(tiers.replicas())
         ranked: dict[str, list[Program]] = {}  # per replica, sorted once a pass
-        for p in self.urgent(now):
+        for p in urgent:
             home = p.last_replica
             if home not in healthy or home in self.held_for:
                 continue
