@@ -517,7 +517,7 @@ class MoriEngine(Policy):
         """Promote held requests into `free`, class by class (MORI 4.3.1), updating it as
         it places. `displace` (tick only) lets a class-1/2 request that does not fit swap
         out clearly more idle ACTING programs; arrivals and responses never move anyone."""
-        if not displace and not self._smallest.any_fits(free):
+        if not displace and not self._smallest.any_fits(free, self.placement.reach(free)):
             return []  # fast path (every event): no held request fits anywhere
         held = self.held_programs()
         if displace:
@@ -735,7 +735,7 @@ def _by_priority(p: Program) -> int:
 
 class SmallestHeld:
     """The smallest held request per place a promotion may take it from (WAITING: onto any
-    replica; CPU(r): onto r, or onto any once it may leave home), so an event tells in
+    replica; CPU(r): onto r, or onto any where it may leave home), so an event tells in
     O(replicas) whether any held request may fit, instead of scanning every held request
     (10 000 programs: ~1 500 held).
 
@@ -772,11 +772,11 @@ class SmallestHeld:
             heapq.heappop(heap)
         return None
 
-    def any_fits(self, free: Free) -> bool:
+    def any_fits(self, free: Free, reach: Free) -> bool:
         """Whether some held request may fit: WAITING ones in the widest room, CPU(r) ones
-        in the widest too (they may leave home after a wait, which the full pass checks)."""
-        widest = max(free.values())
+        in `reach[r]` (the most room the placement may offer them: r's own, or the widest
+        where they may leave home after a wait, which the full pass checks)."""
         waiting = self.smallest(None)
-        if waiting is not None and waiting <= widest:
+        if waiting is not None and waiting <= max(free.values()):
             return True
-        return any((c := self.smallest(r)) is not None and c <= widest for r in free)
+        return any((c := self.smallest(r)) is not None and c <= reach[r] for r in free)

@@ -34,6 +34,10 @@ class Placing(Protocol):
     def may_leave_home(self, p: Program, now: float) -> bool:
         """Whether a held CPU-tier request may go to another replica than its own."""
 
+    def reach(self, free: Free) -> Free:
+        """Per replica r, the most room a held CPU-tier request of r may be offered (a
+        bound for the fast path; `may_leave_home` decides per request)."""
+
     def pack(self, ranked: list[Program], free: Free, now: float, moves: list[Move]) -> list:
         """Place `ranked` WAITING requests into `free`; return those left, ranked."""
 
@@ -64,6 +68,9 @@ class LastReplicaFirst:
 
     def may_leave_home(self, p: Program, now: float) -> bool:
         return False
+
+    def reach(self, free: Free) -> Free:
+        return free  # its own replica's room only
 
     def pack(self, ranked: list[Program], free: Free, now: float, moves: list[Move]) -> list:
         return self.engine.best_fit(ranked, free, now, moves, self.replicas_for)
@@ -126,6 +133,10 @@ class HomeFirst:
         return engine.best_fit(
             left, free, now, moves, lambda p, f, t: self.replicas_for(p, f, t, waited_for)
         )
+
+    def reach(self, free: Free) -> Free:
+        widest = max(free.values())  # the widest: it may leave home once that pays
+        return dict.fromkeys(free, widest)
 
     def may_leave_home(self, p: Program, now: float) -> bool:
         """A CPU-tier request may be placed elsewhere once moving to some replica pays."""
