@@ -17,7 +17,7 @@ from router.config import load_config
 from router.owner.api import create_app
 from router.owner.controller import Router
 from router.policy import PolicyConfig
-from router.policy.engine import MoriEngine
+from router.policy.ladder import MORI
 from router.policy.types import ReplicaCapacity
 from router.presets import PRESETS
 from router.protocol.accounting import AnthropicStream, OpenAIStream, anthropic_body, openai_body
@@ -63,7 +63,7 @@ async def test_predicted_load_back_runs_on_a_wakeup_between_ticks():
     config = load_config(None, {"replicas": [url], "tick_s": 600}, env={})
     # the time scheduler alone (priced displacement off: B would move A at once; the door
     # open: A's expected growth alone would fill this tiny replica and keep B out)
-    policy = MoriEngine(
+    policy = MORI(
         PolicyConfig(tick_s=0.2, predict_lead_s=1.5, displace_margin=1e9, door_load=100.0)
     )
     ticks: list[float] = []
