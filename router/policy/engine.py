@@ -51,7 +51,8 @@ from typing import Any
 
 from router.policy.base import Capabilities, Policy, PolicyConfig
 from router.policy.displacement import IdlenessPool
-from router.policy.placement import affine_first
+from router.policy.ordering import Ordering
+from router.policy.placement import Placing, affine_first
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent
 from router.policy.stages import Free, Idleness, Targets
@@ -94,8 +95,8 @@ class MoriEngine(Policy):
         self.step_s = DEFAULT_STEP_S  # EWMA of observed reasoning (engine) time per step
         self._next_rebalance_s = float("-inf")
         # the stages
-        self.ordering = rung.ordering(self)
-        self.placement = rung.placement(self)
+        self.ordering: Ordering = rung.ordering(self)  # a `Ranking` where it is priced
+        self.placement: Placing = rung.placement(self)
         self.forecast = rung.forecast(self) if rung.forecast else None  # before its users
         self.priced = rung.priced(self) if rung.priced else None
         self.waiver = rung.waiver(self) if rung.waiver else None
