@@ -41,7 +41,7 @@ from router.policy.runtime import (
 )
 from router.policy.stages import Ledger
 from router.policy.transitions import TransitionLearner
-from router.policy.types import Move, MoveReason, Placement, Status, Tier
+from router.policy.types import Move, Placement, Status, Tier
 
 HORIZON_TURNS = 2  # survival: P(the role speaks within this many turns of a session)
 ODDS_MAX = 0.5  # hand-over room: only programs less likely than this to speak soon move
@@ -273,11 +273,7 @@ class HandOver:
             need = q.context_tokens - engine.tiers.free(gpu)
             victims = self._unlikely(gpu, need, waiting) if need > 0 else []
             if victims:
-                cpu = Placement(Tier.CPU, replica)
-                moves = [
-                    engine.move(p, engine.fit_or_waiting(cpu, p), MoveReason.DEMOTE, now)
-                    for p in victims
-                ]
+                moves = [engine.demote(p, replica, now) for p in victims]
                 return moves + engine.promote(now)
         return []
 

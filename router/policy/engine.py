@@ -45,6 +45,7 @@ explained in docs/policy.md:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import replace
 from itertools import count
 from typing import Any
@@ -55,7 +56,7 @@ from router.policy.ordering import Ordering
 from router.policy.placement import Placing, affine_first
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent
-from router.policy.stages import Free, Idleness, Targets
+from router.policy.stages import Act, Free, Idleness, Targets, admitted, promotion_reason
 from router.policy.timed import EPS
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier, ToolStart
 
@@ -184,6 +185,12 @@ class MoriEngine(Policy):
         keeps = self.forecast.keeps_host_copy(p, dst.replica)  # type: ignore[arg-type]
         return dst if keeps else WAITING
 
+    def demote(self, p: Program, replica: str, now: float) -> Move:
+        """`p` off GPU(replica): to its CPU tier where it keeps a host copy, else WAITING."""
+        return self.move(
+            p, self.fit_or_waiting(Placement(Tier.CPU, replica), p), MoveReason.DEMOTE, now
+        )
+
     def ranking(self, now: float) -> Idleness:
         """The idleness that ranks victims and candidates in one pass (programs promoted
         ahead of a predicted tool end rank least idle: `TimeScheduler.protect`)."""
@@ -233,10 +240,7 @@ class MoriEngine(Policy):
             # a held request can use at once (the fast path answers in O(replicas) if none)
             return self.promote(now)
         self._smallest.push(p)
-        return [
-            replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
-            for m in self.promote(now)
-        ]
+        return admitted(self.promote(now), p)
 
     def refusal(self, program_id: str) -> float | None:
         return self.wait_bound.door.refused.get(program_id) if self.wait_bound else None
@@ -310,7 +314,7 @@ class MoriEngine(Policy):
             self.gangs.forget(program_id)
         p = self.programs.get(program_id)
         if self.timed is not None:
-            self.timed.protected_until.pop(program_id, None)
+            self.timed.forget(program_id)
         if self.wait_bound is not None:
             self.wait_bound.forget(p, program_id)
         if self.forecast is not None:
@@ -349,9 +353,7 @@ class MoriEngine(Policy):
                 self.wait_bound.load = None  # summed afresh at the next door pass
             moves += super().tick(now)
             if self.bounded:
-                config = self.config
-                door = self.wait_bound.door  # type: ignore[union-attr]
-                door.update_refusals(now, config.gate_timeout_s, config.start_hold_s)
+                self.wait_bound.update_refusals(now)  # type: ignore[union-attr]
         elif self.bounded and self.wait_bound.urgent(now):  # type: ignore[union-attr]
             moves += self.promote(now)
         if self.timed is not None:
@@ -436,23 +438,13 @@ class MoriEngine(Policy):
         if excess > 0:
             idleness = self.ranking(now)
             members = list(self.tiers.members(gpu))
-            acting = sorted(
-                (p for p in members if p.status is Status.ACTING), key=idleness, reverse=True
+            acting = [p for p in members if p.status is Status.ACTING]
+            moves, excess = self.shed(
+                acting, excess, idleness, lambda p: self.demote(p, replica, now)
             )
             cpu = Placement(Tier.CPU, replica)
-            for p in acting:
-                if excess <= 0:
-                    break
-                excess -= self.tiers.freed_by(p)
-                moves.append(self.move(p, self.fit_or_waiting(cpu, p), MoveReason.DEMOTE, now))
-            reasoning = sorted(
-                (p for p in members if p.status is Status.REASONING), key=idleness, reverse=True
-            )
-            for p in reasoning:
-                if excess <= 0:
-                    break
-                excess -= self.tiers.freed_by(p)
-                self._mark_lazy(p, cpu)
+            reasoning = [p for p in members if p.status is Status.REASONING]
+            self.shed(reasoning, excess, idleness, lambda p: self._mark_lazy(p, cpu))
         return moves + self.gangs.demote_held(replica, now) if self.gangs else moves
 
     def _cpu_overflow(self, replica: str, now: float) -> list[Move]:
@@ -461,13 +453,27 @@ class MoriEngine(Policy):
         excess = self.tiers.used(cpu) - self.tiers.budget(cpu)
         if excess <= 0:
             return []
+        members, idleness = self.tiers.members(cpu), self.ranking(now)
+        return self.shed(
+            members, excess, idleness, lambda p: self.move(p, WAITING, MoveReason.CPU_OVERFLOW, now)
+        )[0]
+
+    def shed(
+        self, programs: Iterable[Program], excess: int, idleness: Idleness, act: Act
+    ) -> tuple[list[Move], int]:
+        """`act` on the most idle of `programs` first (demote, mark) until their leaving
+        covers `excess` tokens, each counted after the one before has acted (the last
+        holder of a shared segment frees it); returns the moves made and what is left of
+        `excess`."""
         moves = []
-        for p in sorted(self.tiers.members(cpu), key=self.ranking(now), reverse=True):
+        for p in sorted(programs, key=idleness, reverse=True):
             if excess <= 0:
                 break
             excess -= self.tiers.freed_by(p)
-            moves.append(self.move(p, WAITING, MoveReason.CPU_OVERFLOW, now))
-        return moves
+            move = act(p)
+            if move is not None:
+                moves.append(move)
+        return moves, excess
 
     # promotion ------------------------------------------------------------------------
     def promote(self, now: float, displace: bool = False) -> list[Move]:
@@ -712,19 +718,11 @@ class MoriEngine(Policy):
         """`p` onto GPU(replica) and `victims` off it (their CPU tier where they keep a
         host copy, else WAITING), in one swap, the move of `p` last; `free[replica]`
         shrinks by what the tier grew (shared segments count once)."""
-        reason = (
-            MoveReason.PROMOTE_CPU
-            if p.placement.tier is Tier.CPU
-            else MoveReason.PROMOTE_WAITING
-            if p.steps > 0
-            else MoveReason.PROMOTE_NEW
-        )
         gpu = Placement(Tier.GPU, replica)
         before = self.tiers.used(gpu)  # the change, not a sum: shared segments count once
-        moves = [self.move(p, gpu, reason, now)]
-        cpu = Placement(Tier.CPU, replica)
+        moves = [self.move(p, gpu, promotion_reason(p), now)]
         for v in victims:  # after p left CPU(replica), so its room is usable by victims
-            moves.insert(-1, self.move(v, self.fit_or_waiting(cpu, v), MoveReason.DEMOTE, now))
+            moves.insert(-1, self.demote(v, replica, now))
         free[replica] -= self.tiers.used(gpu) - before
         return moves
 

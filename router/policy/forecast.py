@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -201,25 +202,24 @@ class Forecast:
     def recompute_cost_s(self, p: Program, replica: str) -> float:
         """Seconds prefilling `p`'s whole context on `replica` costs: once for `p` and once
         for every step running there, which the prefill batch stalls meanwhile."""
+        return self._recompute_s(p.context_tokens, replica)
+
+    def _recompute_s(self, tokens: Any, replica: str) -> Any:
+        """`recompute_cost_s` of `tokens`: a count, or a numpy array of them (the prices'
+        arithmetic runs element-wise, the same operations in the same order)."""
         engine = self.engine
-        return engine.prices[replica].recompute_s(p.context_tokens) * (
-            1 + engine.reasoning_on(replica)
-        )
+        return engine.prices[replica].recompute_s(tokens) * (1 + engine.reasoning_on(replica))
 
     def move_costs_s(
         self, programs: list[Program], replica: str, fresh: bool, room: int
     ) -> list[float]:
         """`move_cost_s` of each of `programs` (ACTING on GPU(replica)), kept on host as
-        `victim_keeps_copy` says with the host room `room`: the same floats (the same
-        operations in the same order, element-wise in numpy). A victim pool prices a
-        replica's few hundred programs in tool calls at once."""
-        prices = self.engine.prices[replica]
+        `victim_keeps_copy` says with the host room `room`, in numpy (the same floats): a
+        victim pool prices a replica's few hundred programs in tool calls at once."""
         tokens = np.array([p.context_tokens for p in programs], dtype=float)
         kept = tokens <= room if fresh else np.full(len(programs), room >= 0)
-        reload = tokens * prices.load.value
-        growth = 1.0 + (tokens / 2) / prices.attention_tokens  # ReplicaPrices.growth(t, 0)
-        stalled = 1 + self.engine.reasoning_on(replica)
-        recompute = tokens * prices.prefill.value * growth * stalled + self.return_wait_s
+        reload = self.engine.prices[replica].reload_s(tokens)
+        recompute = self._recompute_s(tokens, replica) + self.return_wait_s
         return np.where(kept, reload, recompute).tolist()
 
     def move_cost_s(self, p: Program, kept_on_host: bool) -> float:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import replace
 
 from router.policy.displacement import FRESH, in_tool_calls
 from router.policy.door import Door
 from router.policy.program import Program
-from router.policy.stages import Ledger
+from router.policy.stages import Ledger, admitted
 from router.policy.types import Move, MoveReason, Placement, Tier
 
 URGENT_SHARE = 0.5  # a held step in flight goes first after this share of max_step_wait_s
@@ -55,15 +54,16 @@ class WaitBound:
     # arrivals -------------------------------------------------------------------------
     def admit_start(self, p: Program, now: float) -> list[Move]:
         """A start waits at the door; the passes run, then the door's refusals."""
-        engine, config = self.engine, self.engine.config
         self._first_context.setdefault(p.program_id, p.context_tokens)
         self.door.enter(p)
-        moves = engine.promote(now)
+        moves = self.engine.promote(now)
+        self.update_refusals(now)
+        return admitted(moves, p)
+
+    def update_refusals(self, now: float) -> None:
+        """The door marks the starts it will not hold before the gate times them out."""
+        config = self.engine.config
         self.door.update_refusals(now, config.gate_timeout_s, config.start_hold_s)
-        return [
-            replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m
-            for m in moves
-        ]
 
     def step_held(self, p: Program) -> None:
         """A step in flight joins the held ones in arrival order."""

@@ -77,7 +77,8 @@ class ReplicaPrices:
         return new * self.prefill.value * self.growth(new, prefix)
 
     def recompute_s(self, tokens: int) -> float:
-        """Seconds to prefill a whole context of `tokens` again."""
+        """Seconds to prefill a whole context of `tokens` again (this and `reload_s` are
+        plain arithmetic: a victim pool passes a numpy array of contexts)."""
         return self.prefill_s(tokens)
 
     def reload_s(self, tokens: int) -> float:

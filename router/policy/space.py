@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.policy.app_graph import AppGraphs, Shape, check_edges
+from router.policy.placement import affine_first
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent, EventKind, PushPriorities
 from router.policy.stages import Ledger
@@ -253,9 +254,7 @@ class SpaceScheduler:
         tiers = self.engine.tiers
         if p.placement.tier is Tier.CPU:
             return [p.placement.replica] if tiers.healthy.get(p.placement.replica) else []  # type: ignore[arg-type,list-item]
-        replicas = tiers.replicas()
-        order = sorted(replicas, key=lambda r: -tiers.free(Placement(Tier.GPU, r)))
-        return [p.last_replica, *order] if p.last_replica in replicas else order
+        return affine_first(p, {r: tiers.free(Placement(Tier.GPU, r)) for r in tiers.replicas()})
 
     def _place_critical(self, p: Program, replica: str, now: float) -> list[Move]:
         engine = self.engine

@@ -11,7 +11,8 @@ would make every stage import every other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from router.policy.base import PolicyConfig
@@ -19,11 +20,26 @@ from router.policy.prices import ReplicaPrices
 from router.policy.program import Program
 from router.policy.rounds import Rounds
 from router.policy.tiers import Tiers
-from router.policy.types import Move, MoveReason, Placement
+from router.policy.types import Move, MoveReason, Placement, Tier
 
 Free = dict[str, int]  # replica -> GPU room a pass may still fill
 Targets = Callable[[Program, Free, float], list[str]]
 Idleness = Callable[[Program], float]
+Act = Callable[[Program], Move | None]  # what is done to a program shed from a tier
+
+
+def promotion_reason(p: Program) -> MoveReason:
+    """The class a held request is promoted from: its CPU tier, returning, or new."""
+    if p.placement.tier is Tier.CPU:
+        return MoveReason.PROMOTE_CPU
+    return MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
+
+
+def admitted(moves: list[Move], p: Program) -> list[Move]:
+    """`moves` with `p`'s own promotion marked as its admission (it came with the event)."""
+    return [
+        replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m for m in moves
+    ]
 
 
 class Ledger(Protocol):
@@ -58,6 +74,10 @@ class Ledger(Protocol):
     def pending_lazy_tokens(self, replica: str) -> int: ...
     def ranking(self, now: float) -> Idleness: ...
     def fit_or_waiting(self, dst: Placement, p: Program) -> Placement: ...
+    def demote(self, p: Program, replica: str, now: float) -> Move: ...
+    def shed(
+        self, programs: Iterable[Program], excess: int, idleness: Idleness, act: Act
+    ) -> tuple[list[Move], int]: ...
 
     # the steps of the sequence
     def move(self, p: Program, dst: Placement, reason: MoveReason, now: float) -> Move: ...

@@ -153,6 +153,9 @@ class TimeScheduler:
             self._count_return(call, p)
         self.protected_until.pop(program_id, None)
 
+    def forget(self, program_id: str) -> None:
+        self.protected_until.pop(program_id, None)
+
     def wakeups(self, now: float) -> list[float | None]:
         """When a protection expires or a CPU program's promotion falls due."""
         times: list[float | None] = list(self.protected_until.values())
@@ -219,9 +222,8 @@ class TimeScheduler:
             if p is None or p.placement.tier is not Tier.GPU or p.status is not Status.ACTING:
                 continue
             if self.gated_demand(p.placement.replica):
-                cpu = engine.fit_or_waiting(Placement(Tier.CPU, p.placement.replica), p)
                 self.outcomes["overdue_demotion"] += 1
-                moves.append(engine.move(p, cpu, MoveReason.DEMOTE, now))
+                moves.append(engine.demote(p, p.placement.replica, now))  # type: ignore[arg-type]
         return moves + (engine.promote(now) if moves else [])
 
     def _count_return(self, call: ToolCall, p: Program) -> None:

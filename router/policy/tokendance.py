@@ -44,8 +44,8 @@ from router.policy.placement import spread_order
 from router.policy.program import Program
 from router.policy.rounds import Round
 from router.policy.runtime import PushScores
-from router.policy.stages import Ledger
-from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier
+from router.policy.stages import Ledger, promotion_reason
+from router.policy.types import WAITING, Move, Placement, Status, Tier
 
 SERVICE_ALPHA = 0.2  # weight of the newest round's service time
 DEFAULT_SERVICE_S = 2.0  # a round's service time assumed before any was measured
@@ -142,14 +142,8 @@ class Gangs:
         gpu = Placement(Tier.GPU, replica)
         excess = tiers.used(gpu) - engine.pending_lazy_tokens(replica) - tiers.budget(gpu)
         held = [q for q in tiers.members(gpu) if q.pending and q.program_id in self.gang]
-        cpu = Placement(Tier.CPU, replica)
-        moves = []
-        for q in sorted(held, key=engine.ranking(now), reverse=True):
-            if excess <= 0:
-                break
-            excess -= tiers.freed_by(q)
-            moves.append(engine.move(q, engine.fit_or_waiting(cpu, q), MoveReason.DEMOTE, now))
-        return moves
+        idleness = engine.ranking(now)
+        return engine.shed(held, excess, idleness, lambda q: engine.demote(q, replica, now))[0]
 
     def deadlines(self, now: float) -> list[float]:
         """When a held round's wait for its missing members is up."""
@@ -371,10 +365,7 @@ class Gangs:
         chosen = engine.tiers.enough(order, short)
         self.collective["displaced"] += sum(not q.pending for q in chosen)
         self.collective["yielded"] += sum(q.pending for q in chosen)
-        cpu = Placement(Tier.CPU, replica)
-        return [
-            engine.move(q, engine.fit_or_waiting(cpu, q), MoveReason.DEMOTE, now) for q in chosen
-        ]
+        return [engine.demote(q, replica, now) for q in chosen]
 
     def _expected_back_s(self, q: Program, now: float) -> float:
         """Seconds until an ACTING program's next request: the end of its round (its agents
@@ -401,12 +392,7 @@ class Gangs:
             gpu = Placement(Tier.GPU, target)
             if engine.tiers.need(p, gpu) > self._free(target):
                 continue
-            reason = (
-                MoveReason.PROMOTE_CPU
-                if p.placement.tier is Tier.CPU
-                else (MoveReason.PROMOTE_WAITING if p.steps else MoveReason.PROMOTE_NEW)
-            )
-            moves.append(engine.move(p, gpu, reason, now))
+            moves.append(engine.move(p, gpu, promotion_reason(p), now))
         return moves
 
     def _finish_release(self, round_id: str, now: float) -> None:
