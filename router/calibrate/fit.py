@@ -16,11 +16,11 @@ model's shape, the engine terms beside them (router/presets.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import least_squares, nnls
+from scipy.optimize import OptimizeResult, least_squares, nnls
 
 from router.calibrate.probes import Probe, Timing
 from router.policy.types import EngineMode, Hint
@@ -33,6 +33,11 @@ ROBUST_SCALE = 0.1  # relative errors beyond this count linearly, not squared
 TIMING_NOISE = 0.01  # a probe's relative timing error at best, for the prices' spread
 UNDETERMINED = 0.25  # a fitted price with a larger spread is not pinned down by the probes
 SETUP_GAP_S = 1.0  # model time between a probe's setup and its timed calls (engine idle)
+# the replay is piecewise (whole iterations, whole chunks), so a search can stop on a flat
+# step far from the answer (calls that reached the engine at staggered times, a busy box):
+# it restarts this many times from the best point with every price scaled by up to
+# RESTART_SPREAD either way (a fixed seed, so a refit gives the same preset)
+RESTARTS, RESTART_SPREAD, RESTART_SEED = 6, 2.0, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,35 +272,70 @@ def fit(
         fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
         return (np.asarray(fitted) - measured) / (measured + floor)
 
-    # soft_l1: a probe a busy machine slowed down (a shared box) pulls less than a square
-    solution = least_squares(
-        residuals, np.clip(z0, lower, upper), bounds=(lower, upper), diff_step=1e-3,
-        max_nfev=300, loss="soft_l1", f_scale=ROBUST_SCALE,
-    )  # fmt: skip
+    found = _search(residuals, np.clip(z0, lower, upper), lower, upper)
+    solution = found[0]
     rows = model_times(solution.x)
     fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
-    spread = _spread(solution.jac, solution.fun, solution.x, scale, free)
+    spread = _spread(found, scale, free)
     return FitResult(unpack(solution.x), list(measured), fitted, rows, free, spread)
 
 
+def _search(
+    residuals: Callable[[np.ndarray], np.ndarray],
+    z0: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+) -> list[OptimizeResult]:
+    """The least-squares search from `z0`, then RESTARTS searches from the best point so
+    far scaled at random; every search's end, the lowest cost first."""
+    rng = np.random.default_rng(RESTART_SEED)
+    spread = np.log(RESTART_SPREAD)
+    found: list[OptimizeResult] = []
+    for _ in range(1 + RESTARTS):
+        start = found[0].x * np.exp(rng.uniform(-spread, spread, z0.size)) if found else z0
+        # soft_l1: a probe a busy machine slowed down (a shared box) pulls less than a square
+        found.append(
+            least_squares(
+                residuals, np.clip(start, lower, upper), bounds=(lower, upper),
+                diff_step=1e-3, max_nfev=300, loss="soft_l1", f_scale=ROBUST_SCALE,
+            )
+        )  # fmt: skip
+        found.sort(key=lambda f: f.cost)
+    return found
+
+
 def _spread(
-    jac: np.ndarray, res: np.ndarray, z: np.ndarray, scale: np.ndarray, free: tuple[str, ...]
+    found: Sequence[OptimizeResult], scale: np.ndarray, free: tuple[str, ...]
 ) -> dict[str, float]:
-    """Each fitted price's standard error from the Jacobian at the solution, the residuals'
-    spread taken as at least TIMING_NOISE (a perfect fit would otherwise claim certainty):
-    a price the probes cannot tell from another (the load rate and the overlap share when
-    every load hides under compute) comes out large."""
-    sigma2 = max(float(np.mean(res**2)), TIMING_NOISE**2)
-    info = jac.T @ jac
-    # not a pseudo-inverse: a direction the probes do not see must come out unbounded
-    ridge = 1e-12 * max(float(np.trace(info)), 1e-300)
-    cov = np.linalg.inv(info + ridge * np.eye(len(z))) * sigma2
-    std = np.sqrt(np.clip(np.diag(cov), 0.0, None))
-    out = {}
-    for name, zi, si, sc in zip(free, z, std, scale, strict=True):
-        absolute = name in SHARES or zi * sc < 1e-6 * sc  # near 0: in its own unit
-        out[name] = float(si * sc) if absolute else float(si / zi)
+    """Each fitted price's spread over the searches' ends that fit as well as the best (a
+    sum of squares within one variance of its): the largest of their standard errors from
+    the Jacobian, the residuals' spread taken as at least TIMING_NOISE (a perfect fit would
+    otherwise claim certainty), and of their distances from the best. A price the probes
+    cannot tell from another (the load rate and the overlap share when every load hides
+    under compute) comes out large on a ridge the Jacobian sees, or between the branches of
+    the piecewise model that only another end shows."""
+    best = found[0]
+    sigma2 = max(float(np.mean(best.fun**2)), TIMING_NOISE**2)
+    sse = float(np.sum(best.fun**2))
+    near = [f for f in found if float(np.sum(f.fun**2)) - sse <= sigma2]
+    out = dict.fromkeys(free, 0.0)
+    for end in near:
+        info = end.jac.T @ end.jac
+        # not a pseudo-inverse: a direction the probes do not see must come out unbounded
+        ridge = 1e-12 * max(float(np.trace(info)), 1e-300)
+        cov = np.linalg.inv(info + ridge * np.eye(len(end.x))) * sigma2
+        std = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+        for i, name in enumerate(free):
+            spread = max(_share(name, std[i], end.x[i], scale[i]),
+                         _share(name, abs(end.x[i] - best.x[i]), best.x[i], scale[i]))  # fmt: skip
+            out[name] = max(out[name], spread)
     return out
+
+
+def _share(name: str, dz: float, z: float, scale: float) -> float:
+    """A move `dz` of a scaled price `z` as a share of it; a share (or a price near 0) in
+    its own unit."""
+    return float(dz * scale if name in SHARES or z < 1e-6 else dz / z)
 
 
 def _floors(
