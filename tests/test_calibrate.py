@@ -84,6 +84,36 @@ def test_refit_gives_the_same_preset_from_the_record(calibrated, tmp_path: Path)
     assert_recovered(Prices.of(read_preset(again)), Prices.of(read_preset(out)))
 
 
+def test_refit_says_which_probes_calls_left_after_their_blocker(calibrated, tmp_path) -> None:
+    """On a real engine's clock (the committed CPU calibration), calls that left once their
+    blocker had answered put the HTTP path into what the fit takes for engine time: the
+    fit keeps them and says which. The emulator times arrivals on its engine clock, where
+    late calls are the rule (its blocker prefills in ~35 ms of wall time): not said."""
+    doc = json.loads(Path("bench/results/2026-11-28-cpu-512x8.json").read_text())
+    for i in (1, 4):
+        timings = doc["fit"]["probes"][i]["timings"]
+        for t in timings[1:]:
+            t["sent"] = timings[0]["first"] + 0.001
+    late = tmp_path / "late.json"
+    late.write_text(json.dumps(doc))
+    config = tmp_path / "config.json"  # the tests' 512x8 model (tests/sglang/tiny_model.py)
+    config.write_text(json.dumps({
+        "vocab_size": 512, "hidden_size": 512, "intermediate_size": 1024,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    }))  # fmt: skip
+    said = []
+    for record, extra in ((late, ("--model-config", str(config))), (calibrated[0], ())):
+        done = subprocess.run(
+            mori("calibrate", "--refit", str(record), "--out", str(tmp_path / "a.json"), *extra),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:]
+        said.append(" ".join(done.stdout.split()))
+    assert "2 of 23 probes (1, 4): a call left after its blocker's first token" in said[0]
+    assert "left after" not in said[1]
+
+
 def test_sim_and_emulate_take_the_preset_file(calibrated, tmp_path: Path) -> None:
     out, _ = calibrated
     sim = subprocess.run(

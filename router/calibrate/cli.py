@@ -111,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as e:  # httpx errors are OSErrors' kin below
         console.print(f"[red]mori calibrate: {escape(str(e))}[/red]")
         return 2
-    probes, timings = usable(console, probes, timings)
-    result = fit(probes, timings, base, host_pool, hold)
     info = described["server_info"]
+    probes, timings = usable(console, probes, timings, client_clock=not info.get("emulated"))
+    result = fit(probes, timings, base, host_pool, hold)
     truth = Prices.of(get_preset(str(info["preset"]))) if info.get("emulated") else None
     print_fit(console, probes, result, truth)
     endpoint = args.endpoint or json.loads(args.refit.read_text())["engine"]["endpoint"]
@@ -164,15 +164,27 @@ async def _measure(
 
 
 def usable(
-    console: Console, probes: list[Probe], timings: list[list[Timing]]
+    console: Console, probes: list[Probe], timings: list[list[Timing]], client_clock: bool
 ) -> tuple[list[Probe], list[list[Timing]]]:
     """The probes that measured something: a decode probe whose calls did not decode
-    together (no window in which all of them ran) is left out, and said."""
+    together (no window in which all of them ran) is left out, and said. Timed on the
+    client's clock (a real engine), probes whose calls left after their blocker had
+    answered are kept, and said: their HTTP path is in what the fit takes for engine time
+    (an emulator's engine clock times arrivals, so there it is not)."""
     keep = [i for i, (p, t) in enumerate(zip(probes, timings, strict=True)) if observed(p, t) > 0]
     for i in sorted(set(range(len(probes))) - set(keep)):
         console.print(
             f"[yellow]left out probe {i} ({probes[i].kind} {probes[i].label}): "
             "its calls never ran together[/yellow]"
+        )
+    late = [i for i in keep if any(t.sent >= timings[i][0].first for t in timings[i][1:])]
+    if late and client_clock:
+        console.print(
+            f"[yellow]{len(late)} of {len(keep)} probes ({', '.join(map(str, late))}): a call "
+            "left after its blocker's first token (a busy machine, or bodies slower to send "
+            "than the blocker's prefill); the fit replays the calls as they were sent, but an "
+            "engine timed on the client's clock then counts their HTTP path as its own time: "
+            "calibrate again on a quieter machine if the residuals are large[/yellow]"
         )
     return [probes[i] for i in keep], [timings[i] for i in keep]
 
