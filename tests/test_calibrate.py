@@ -4,6 +4,7 @@ and the preset file it writes drives `mori sim` and `mori emulate`."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import random
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.calibrate.cli import base_preset, recorded
 from router.calibrate.fit import NAMES, Prices, fit, replay
 from router.calibrate.probes import Timing, schedule
 from router.presets import get_preset, read_preset
@@ -21,6 +23,7 @@ from tests.servers import free_port, mori, spawn
 SELF_CHECK = 0.05  # every fitted price within 5 % of the emulated preset's
 ZERO_SHARE = 0.01  # a share the preset sets to 0 (prefix attention, load serial) fits below this
 ZERO_S = 1e-4  # ... and an overhead it sets to 0, below 0.1 ms
+GOLDEN = Path(__file__).parent / "golden" / "calibrate"
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +196,23 @@ def test_fitter_says_when_the_probes_cannot_pin_a_price_down() -> None:
     assert {"load_s", "load_serial"} <= set(result.undetermined())
 
 
+def test_fit_of_a_suite_run_whose_first_search_took_another_branch() -> None:
+    """The probes of one CI-like run against the emulator (exact: the preset replays them
+    to the float): searched from the regressions and restarted from its best end only,
+    the fit ended with load serial 0.10 and pair_s 8 % off; the searches from the shares'
+    corners find the preset."""
+    described, probes, timings = recorded(GOLDEN / "emulator-other-branch.json")
+    base, host_pool = base_preset(described, argparse.Namespace(model_config=None))
+    result = fit(probes, timings, base, host_pool)
+    assert_recovered(result.prices, Prices.of(get_preset("h100-8b")))
+
+
 @pytest.mark.parametrize("seed", [7, 25, 28])
 def test_fit_recovers_the_prices_when_calls_reach_the_engine_staggered(seed: int) -> None:
     """A busy box delivers a probe's calls after its blocker ended, each at its own time:
     the replay is then a staircase of whole iterations whose first search can stop on a
     flat step. These are the 3 of seeds 0-39 whose first search stopped 70-90 % off (a CI
-    run stopped so on the emulator); the restarts must find the prices."""
+    run stopped so on the emulator); the fit's other searches must find the prices."""
     h100 = get_preset("h100-8b")
     pool = h100.gpu_kv_tokens
     rng = random.Random(seed)

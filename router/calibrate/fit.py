@@ -16,6 +16,7 @@ model's shape, the engine terms beside them (router/presets.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,11 +34,13 @@ ROBUST_SCALE = 0.1  # relative errors beyond this count linearly, not squared
 TIMING_NOISE = 0.01  # a probe's relative timing error at best, for the prices' spread
 UNDETERMINED = 0.25  # a fitted price with a larger spread is not pinned down by the probes
 SETUP_GAP_S = 1.0  # model time between a probe's setup and its timed calls (engine idle)
-# the replay is piecewise (whole iterations, whole chunks), so a search can stop on a flat
-# step far from the answer (calls that reached the engine at staggered times, a busy box):
-# it restarts this many times from the best point with every price scaled by up to
-# RESTART_SPREAD either way (a fixed seed, so a refit gives the same preset)
-RESTARTS, RESTART_SPREAD, RESTART_SEED = 6, 2.0, 0
+# The replay is piecewise (whole iterations, whole chunks; loads under or over compute), so
+# a search can stop on a flat step or another branch far from the answer. Searches start
+# also from every corner of the shares (each at either end, the others from the
+# regressions), then restart RESTARTS times from the best end so far with every price
+# scaled by up to RESTART_SPREAD either way (a fixed seed: a refit gives the same preset).
+SHARE_STARTS = (0.02, 0.98)
+RESTARTS, RESTART_SPREAD, RESTART_SEED = 2, 2.0, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +275,8 @@ def fit(
         fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
         return (np.asarray(fitted) - measured) / (measured + floor)
 
-    found = _search(residuals, np.clip(z0, lower, upper), lower, upper)
+    shares = [i for i, n in enumerate(free) if n in SHARES]  # scale 1: z is the share
+    found = _search(residuals, np.clip(z0, lower, upper), lower, upper, shares)
     solution = found[0]
     rows = model_times(solution.x)
     fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
@@ -285,14 +289,25 @@ def _search(
     z0: np.ndarray,
     lower: np.ndarray,
     upper: np.ndarray,
+    shares: list[int],
 ) -> list[OptimizeResult]:
-    """The least-squares search from `z0`, then RESTARTS searches from the best point so
-    far scaled at random; every search's end, the lowest cost first."""
+    """Least-squares searches from `z0`, from `z0` with the shares (indices `shares`,
+    unscaled) at each corner of SHARE_STARTS, then RESTARTS from the best end so far
+    scaled at random; every search's end, the lowest cost first."""
+    starts = [z0]
+    for corner in itertools.product(SHARE_STARTS, repeat=len(shares)):
+        start = z0.copy()
+        start[shares] = corner
+        starts.append(start)
     rng = np.random.default_rng(RESTART_SEED)
     spread = np.log(RESTART_SPREAD)
     found: list[OptimizeResult] = []
-    for _ in range(1 + RESTARTS):
-        start = found[0].x * np.exp(rng.uniform(-spread, spread, z0.size)) if found else z0
+    for i in range(len(starts) + RESTARTS):
+        start = (
+            starts[i]
+            if i < len(starts)
+            else found[0].x * np.exp(rng.uniform(-spread, spread, z0.size))
+        )
         # soft_l1: a probe a busy machine slowed down (a shared box) pulls less than a square
         found.append(
             least_squares(
