@@ -146,6 +146,7 @@ def sim_cell(
         duration_s=args.duration,
         token_scale=token_scale,
         seed=args.seed,
+        hop_s=args.hop_s,
     )
     timeline: list[Sample] = []
     due = [args.sample]
@@ -191,6 +192,13 @@ def main() -> int:
     p.add_argument("--host-tokens", type=int, default=32000)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--hop-s",
+        type=float,
+        default=0.0,
+        help="the simulated router <-> engine latency, one way, trace seconds (the live "
+        "stack's wall latency x --time-scale; docs/simulator.md, 'The hop')",
+    )
     p.add_argument("--sample", type=float, default=5.0, help="trace seconds between samples")
     p.add_argument("--tolerance", type=float, default=0.10, help="live/sim gap to flag")
     p.add_argument("--json", dest="json_out", help="write every cell and timeline as JSON")

@@ -79,6 +79,22 @@ def test_gate_delay_counts_in_ttft(test_policies):
     assert result.ttft_mean_s > direct.ttft_mean_s + 1.0
 
 
+def test_the_hop_delays_each_request_to_its_engine_and_each_answer_back(test_policies):
+    """hop_s: the engine gets a forwarded request a hop later and its client the answer a
+    hop after the engine finished; so the client's step takes two hops more, and the next
+    step (after the same tool call) starts two hops later."""
+    direct, _ = run([TWO_STEPS], policy="forward-all", concurrency=1, duration_s=60)
+    hopped, _ = run([TWO_STEPS], policy="forward-all", concurrency=1, duration_s=60, hop_s=0.25)
+    for a, b in zip(direct.records[:4], hopped.records[:4], strict=True):
+        assert b.first_token_s - b.arrival_s == pytest.approx(a.first_token_s - a.arrival_s + 0.5)
+        assert b.finish_s - b.first_token_s == pytest.approx(a.finish_s - a.first_token_s)
+    first, second = hopped.records[0], hopped.records[1]
+    assert second.arrival_s == pytest.approx(first.finish_s + 7.0)  # the client's tool call
+    assert second.arrival_s == pytest.approx(direct.records[1].arrival_s + 0.5)
+    with pytest.raises(ValueError, match="hop_s"):
+        SimConfig(hop_s=-0.1)
+
+
 def test_subagents_start_after_parent_start(test_policies):
     corpus = [TWO_STEPS, prog("child", [(500, 10, 0, 0.0)], parent="a", start=3.0)]
     sim, _ = run(corpus, policy="forward-all", concurrency=1, duration_s=5)

@@ -41,6 +41,7 @@ class Scenario:
     cpu_ratio: list[float] = field(default_factory=lambda: [1.0, 2.0])
     policy: dict = field(default_factory=dict)  # PolicyConfig overrides (tick_s, window...)
     gpu_tokens: int | None = None  # device KV budget per replica (None: the preset's)
+    hop_s: float = 0.0  # router <-> engine latency, one way (SimConfig.hop_s)
     description: str = ""
 
 
@@ -144,6 +145,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--window", type=int, help="idleness window W in cycles (default: the scenario's, else 4)"
     )
     parser.add_argument(
+        "--hop-s",
+        type=float,
+        help="router <-> engine latency one way, trace seconds: what a live stack adds "
+        "(its wall latency x its time scale) (default: the scenario's, else 0)",
+    )
+    parser.add_argument(
         "--seed", type=int, help="corpus order and start jitter (default: the scenario's, else 0)"
     )
     parser.add_argument(
@@ -174,7 +181,8 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
     for attr, key in (("duration", "duration_s"), ("token_scale", "token_scale")):
         if getattr(args, attr) is not None:
             setattr(sc, key, getattr(args, attr))
-    for key in ("replicas", "seed", "trace", "policies", "concurrency", "cpu_ratio", "gpu_tokens"):
+    keys = ("replicas", "seed", "trace", "policies", "concurrency", "cpu_ratio", "gpu_tokens")
+    for key in (*keys, "hop_s"):
         if getattr(args, key) is not None:
             setattr(sc, key, getattr(args, key))
     if getattr(args, "preset_file", None):
@@ -200,6 +208,7 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
             policy_config=dict(sc.policy),
             gpu_tokens=sc.gpu_tokens,
             approx=ApproxReuse() if getattr(args, "approx", False) else None,
+            hop_s=sc.hop_s,
         )
         for ratio, conc, policy in itertools.product(sc.cpu_ratio, sc.concurrency, sc.policies)
     ]

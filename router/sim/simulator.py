@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import partial
 from statistics import fmean
 
 from kernels.costs import restore_cost
@@ -79,6 +80,11 @@ class SimConfig:
     # the SDKs do (router.replay.retries), `client_retries` times before the step fails
     gate_timeout_s: float = 300.0
     client_retries: int = MAX_RETRIES
+    # the hop between the router and an engine, one way (trace seconds): a forwarded
+    # request reaches its engine this much later, and a finished step its client and the
+    # router. 0: the router sits in the engine. The live stack's is its wall latency times
+    # the time scale (the demo's: ~10 ms x 5, docs/simulator.md "The hop")
+    hop_s: float = 0.0
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # fail early with the list of known presets
@@ -93,6 +99,7 @@ class SimConfig:
             "arrival_rate": self.arrival_rate is None or self.arrival_rate > 0,
             "gate_timeout_s": self.gate_timeout_s > 0,
             "client_retries": self.client_retries >= 0,
+            "hop_s": self.hop_s >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -131,7 +138,7 @@ class _Request:
 
 
 # event kinds, ordered so that at equal times engines finish before clients act
-_ENGINE, _TICK, _ARRIVE, _SPAWN, _WAKE, _TIMEOUT = range(6)
+_ENGINE, _TICK, _ARRIVE, _SPAWN, _WAKE, _TIMEOUT, _HOPPED = range(7)
 GATE_RETRY_AFTER_S = 5.0  # the Retry-After of the gate's 503 (the router's tick, 5 s)
 DRAIN_X = 1.0  # open loop: the run may go on this x duration_s for the last tasks to finish
 
@@ -255,6 +262,8 @@ class Simulation:
                 self._on_arrive(payload)  # type: ignore[arg-type]
             elif kind == _TIMEOUT:
                 self._on_gate_timeout(payload)  # type: ignore[arg-type]
+            elif kind == _HOPPED:
+                payload()  # type: ignore[operator]
             else:
                 self._start_client(payload)  # type: ignore[arg-type]
             if progress is not None and t >= next_report:
@@ -431,26 +440,38 @@ class Simulation:
                 req.forwarded = self.now
                 self._forwarded.append(req)
                 self.inflight[req.rid] = req
-                st, program = req.step, req.client.program
-                engine = self.engines[replica]
-                prompt, reused, chain, extra_s = self._engine_terms(pid, replica, st, engine)
-                engine.submit(
-                    req.rid,
-                    pid,
-                    prompt,
-                    st.output_tokens,
-                    self.now,
-                    reused_tokens=reused,
-                    prefix=SharedPrefix.of_program(
-                        program.agent,
-                        program.anchor_tokens,
-                        program.inherit_tokens,
-                        req.client.parent,
-                        chain,
-                    ),
-                    extra_prefill_s=extra_s,
-                )
-                self._schedule_engine(replica)
+                self._after_hop(partial(self._submit, req))
+
+    def _after_hop(self, then: Callable[[], None]) -> None:
+        """`then` once a message crossed between the router and an engine (`hop_s`)."""
+        if self.config.hop_s > 0:
+            self._push(self.now + self.config.hop_s, _HOPPED, then)
+        else:
+            then()
+
+    def _submit(self, req: _Request) -> None:
+        """A forwarded request reaches its engine."""
+        pid, replica = req.client.pid, req.replica
+        st, program = req.step, req.client.program
+        engine = self.engines[replica]
+        prompt, reused, chain, extra_s = self._engine_terms(pid, replica, st, engine)
+        engine.submit(
+            req.rid,
+            pid,
+            prompt,
+            st.output_tokens,
+            self.now,
+            reused_tokens=reused,
+            prefix=SharedPrefix.of_program(
+                program.agent,
+                program.anchor_tokens,
+                program.inherit_tokens,
+                req.client.parent,
+                chain,
+            ),
+            extra_prefill_s=extra_s,
+        )
+        self._schedule_engine(replica)
 
     def _engine_terms(
         self, pid: str, replica: str, step: TraceStep, engine: ReplicaEngine
@@ -518,14 +539,19 @@ class Simulation:
 
     def _on_done(self, req: _Request, ev: Done) -> None:
         del self.inflight[req.rid]
-        st, client = req.step, req.client
-        first = req.first_token if req.first_token is not None else ev.t
+        self._after_hop(partial(self._answered, req, ev))
+
+    def _answered(self, req: _Request, ev: Done) -> None:
+        """A finished step reaches its client and the router, times as they see them (a
+        hop after the engine's)."""
+        st, client, hop = req.step, req.client, self.config.hop_s
+        first = (req.first_token if req.first_token is not None else ev.t) + hop
         if ev.ok:
             self.policy.observe_step(
                 req.replica, st.input_tokens, *req.cached, first - req.forwarded,
-                st.output_tokens, ev.t - first,
+                st.output_tokens, ev.t + hop - first,
             )  # fmt: skip
-        self._record(req, first, ev.t, ev.ok)
+        self._record(req, first, ev.t + hop, ev.ok)
         usage = st.input_tokens + st.output_tokens if ev.ok else None
         self._policy_call(self.policy.on_response(client.pid, self.now, usage))
         self._next_step(client)
