@@ -196,7 +196,7 @@ class Forecast:
         hundreds of programs of one replica)."""
         replica: str = q.placement.replica  # type: ignore[assignment]
         if fresh:
-            return q.context_tokens <= (self.host_room(replica) if room is None else room)
+            return _fresh_keeps(q.context_tokens, self.host_room(replica) if room is None else room)
         return self.keeps_host_copy(q, replica, room)
 
     def recompute_cost_s(self, p: Program, replica: str) -> float:
@@ -217,10 +217,10 @@ class Forecast:
         `victim_keeps_copy` says with the host room `room`, in numpy (the same floats): a
         victim pool prices a replica's few hundred programs in tool calls at once."""
         tokens = np.array([p.context_tokens for p in programs], dtype=float)
-        kept = tokens <= room if fresh else np.full(len(programs), room >= 0)
+        # on their GPU tier, as `keeps_host_copy` has it: kept unless the host is over budget
+        kept = _fresh_keeps(tokens, room) if fresh else room >= 0
         reload = self.engine.prices[replica].reload_s(tokens)
-        recompute = self._recompute_s(tokens, replica) + self.return_wait_s
-        return np.where(kept, reload, recompute).tolist()
+        return np.where(kept, reload, self._lost_s(tokens, replica)).tolist()
 
     def move_cost_s(self, p: Program, kept_on_host: bool) -> float:
         """What moving `p` off its GPU tier costs, in seconds.
@@ -238,4 +238,15 @@ class Forecast:
         replica: str = p.placement.replica  # type: ignore[assignment]
         if kept_on_host:
             return self.engine.prices[replica].reload_s(p.context_tokens)
-        return self.recompute_cost_s(p, replica) + self.return_wait_s
+        return self._lost_s(p.context_tokens, replica)
+
+    def _lost_s(self, tokens: Any, replica: str) -> Any:
+        """What a move that loses the host copy costs (`move_cost_s`): the recompute and the
+        gate wait on return; of a count or a numpy array of them."""
+        return self._recompute_s(tokens, replica) + self.return_wait_s
+
+
+def _fresh_keeps(tokens: Any, room: int) -> Any:
+    """Whether a victim of `tokens` keeps its host copy when the request it makes room for
+    is written to host anew (`Forecast.victim_keeps_copy`); a count or a numpy array."""
+    return tokens <= room

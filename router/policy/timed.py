@@ -151,9 +151,10 @@ class TimeScheduler:
         call = self.forecast.calls.get(program_id)
         if call is not None and p is not None:
             self._count_return(call, p)
-        self.protected_until.pop(program_id, None)
+        self.forget(program_id)
 
     def forget(self, program_id: str) -> None:
+        """`program_id` is no longer protected (it came back, or it ended)."""
         self.protected_until.pop(program_id, None)
 
     def wakeups(self, now: float) -> list[float | None]:

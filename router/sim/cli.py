@@ -181,8 +181,9 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
     for attr, key in (("duration", "duration_s"), ("token_scale", "token_scale")):
         if getattr(args, attr) is not None:
             setattr(sc, key, getattr(args, attr))
-    keys = ("replicas", "seed", "trace", "policies", "concurrency", "cpu_ratio", "gpu_tokens")
-    for key in (*keys, "hop_s"):
+    for key in (
+        "replicas", "seed", "trace", "policies", "concurrency", "cpu_ratio", "gpu_tokens", "hop_s"
+    ):  # fmt: skip
         if getattr(args, key) is not None:
             setattr(sc, key, getattr(args, key))
     if getattr(args, "preset_file", None):
