@@ -8,12 +8,15 @@ import subprocess
 import time
 
 import httpx
+import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from router.protocol.accounting import CACHE_DETAILS_FLAG
+from router.replay.apis import Answer, Call, sender
 from router.replay.client import Replay, ReplayConfig
 from router.replay.prompts import Conversation, common_prefix_tokens, count_tokens, render_chat
 from router.replay.report import JSON_FIELDS
@@ -346,3 +349,50 @@ def test_a_tool_call_runs_while_the_router_is_told_of_it():
     gap = seen["asked"][1] - seen["answered"][0]
     assert seen["asked"][1] >= seen["told"][0]  # the notice was answered first
     assert gap < slow_s + tool_s - 0.3, gap  # ~max(notice, call), not their sum
+
+
+def test_the_chat_body_skips_the_sdk_transform_yet_sends_the_same_bytes():
+    """The replay hands the conversation to the OpenAI SDK in `extra_body` (its per-message
+    request transform stalled every replayed agent): what reaches the server is byte for
+    byte the body of the SDK's typed call, messages in their place."""
+    bodies: list[bytes] = []
+
+    async def chat(request: Request) -> Response:
+        bodies.append(await request.body())
+        chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}]}
+
+        async def events():
+            yield "data: " + json.dumps(chunk) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    messages = [{"role": "system", "content": "s"}] + [
+        {"role": "user" if i % 2 else "assistant", "content": f"turn {i} é \"q\""} for i in range(9)
+    ]
+    call = Call("m", messages, 7, "prog-1", {"x-test": "1"})
+
+    async def both(base: str) -> Answer:
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k") as client:
+            typed = await client.chat.completions.create(
+                model="m",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=7,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, CACHE_DETAILS_FLAG: True, "program_id": "prog-1"},
+                extra_headers={"x-test": "1"},
+            )
+            async for _ in typed:
+                pass
+            answer = Answer()
+            async with sender("openai", client, "k", 10.0, time.monotonic) as send:
+                await send(answer, call)
+            return answer
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    with serve_app(app) as base:
+        answer = asyncio.run(both(base))
+    assert answer.parts == ["x"]
+    assert len(bodies) == 2 and json.loads(bodies[1])["messages"] == messages
+    assert bodies[1] == bodies[0]
