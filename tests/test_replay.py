@@ -368,7 +368,7 @@ def test_the_chat_body_skips_the_sdk_transform_yet_sends_the_same_bytes():
         return StreamingResponse(events(), media_type="text/event-stream")
 
     messages = [{"role": "system", "content": "s"}] + [
-        {"role": "user" if i % 2 else "assistant", "content": f"turn {i} é \"q\""} for i in range(9)
+        {"role": "user" if i % 2 else "assistant", "content": f'turn {i} é "q"'} for i in range(9)
     ]
     call = Call("m", messages, 7, "prog-1", {"x-test": "1"})
 
