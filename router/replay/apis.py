@@ -15,7 +15,7 @@ after its request transform: the transform walks every message against the union
 message types (~0.15 ms a message whatever its length, measured with openai 3.57), ~10 ms of
 CPU for a 50-message step, on the one event loop that runs every replayed agent; that
 stalled the other agents' sends and first tokens (5x compressed, 50 ms of trace time a
-request). The body on the wire is the same bytes (`tests/test_replay_apis.py`).
+request). The body on the wire is the same bytes (`tests/test_replay.py`).
 """
 
 from __future__ import annotations
