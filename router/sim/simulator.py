@@ -83,7 +83,7 @@ class SimConfig:
     # the hop between the router and an engine, one way (trace seconds): a forwarded
     # request reaches its engine this much later, and a finished step its client and the
     # router. 0: the router sits in the engine. The live stack's is its wall latency times
-    # the time scale (the demo's: 5-9 ms x 5 on a 2-vCPU box, docs/simulator.md "The hop")
+    # the time scale (the demo's: ~3 ms x 5 on a 2-vCPU box, docs/simulator.md "The hop")
     hop_s: float = 0.0
 
     def __post_init__(self) -> None:
