@@ -101,10 +101,15 @@ def test_replay_split_equals_the_engines_counters(engine: Server):
     assert routed == {"device": replayed["device"], "host": replayed["host"], "miss": miss}
     # The measurement is not trivially all-miss: both tiers served prompt tokens.
     assert replayed["device"] > 0 and replayed["host"] > 0, replayed
-    # The tokenizer matches the replay: the engine's prompt sizes are the trace's, within
-    # 10 % (the random model's answers are bytes that re-tokenize into more tokens).
-    nominal = sum(s.input_tokens for s in STEPS) * 6
-    assert abs(replayed["prompt"] - nominal) < 0.1 * nominal, (replayed["prompt"], nominal)
+    # The tokenizer matches the replay: a first step (the replay's words, no answer yet) is
+    # the trace's size within 15 % (the chat template's role markers add 11-20 tokens; seen:
+    # 161-170 for 150). Later steps also carry the random model's answers, bytes
+    # that re-tokenize into a number of tokens no one can predict (1.5-5x `max_tokens` seen),
+    # so they are bounded from below only.
+    first = [r.input_tokens for r in ok if r.first]
+    assert len(first) == 6 and all(abs(n / STEPS[0].input_tokens - 1) < 0.15 for n in first), first
+    later = sorted(r.input_tokens for r in ok if not r.first)
+    assert later[0] >= STEPS[1].input_tokens * 0.9, later
 
 
 def test_tiny_model_context_holds_the_generated_corpus(engine: Server):
