@@ -74,7 +74,7 @@ def test_idle_offload_keeps_a_shared_anchor_on_device():
     engine.apply_hints({"pa": Hint.BUSY}, 11.0)  # load-back brings the tail
     assert engine.residency("pa") == (6_010, 6_010)
     dev, host, _ = step(engine, "a2", "pa", 6_500, 11.5, reused=6_010)
-    assert (dev, host) == (4_000, 2_010)  # loaded ahead: counted as host hits
+    assert (dev, host) == (6_010, 0)  # loaded ahead: on device when matched, as SGLang counts
 
 
 def test_an_anchor_outlives_its_users_tails_and_the_host_drops_only_host_only_tokens():
@@ -113,7 +113,7 @@ def test_lru_engines_ignore_scores():
     assert engine.tree.anchors["Coder", 3_000].dev == 3_000
 
 
-def test_warm_loads_a_host_anchor_back_and_counts_it_as_a_host_hit():
+def test_warm_loads_a_host_anchor_back_and_counts_it_as_a_device_hit():
     engine = ReplicaEngine(PRESET, TYPED, 20_000, 40_000)
     step(engine, "a", "pa", 6_000, 0.0, prefix=MAIN)
     engine.apply_hints({"pa": Hint.INACTIVE}, 1.0)
@@ -123,7 +123,7 @@ def test_warm_loads_a_host_anchor_back_and_counts_it_as_a_host_hit():
     assert engine.warm("main", 4_000, 10.0) == "loaded"
     assert engine.warm("main", 4_000, 10.0) == "resident"
     dev, host, _ = step(engine, "b", "pb", 5_000, 11.0, prefix=MAIN)
-    assert (dev, host) == (0, 4_000)
+    assert (dev, host) == (4_000, 0)  # on device when matched, as SGLang counts it
     assert engine.stats["warm_loaded_tokens"] == 4_000
 
 

@@ -106,7 +106,6 @@ class Node:
     lock: int = 0  # running requests (and warm-up prefills) holding it on device
     last_use: float = 0.0
     ready_at: float = 0.0  # a load-back of its tokens lands at this time
-    prefetched: int = 0  # device tokens loaded ahead from host, not yet hit by a request
 
     @property
     def shared(self) -> bool:
@@ -133,7 +132,6 @@ class Match:
     anchor: tuple[str, int] | None  # an anchor segment to create (first of its role here)
     dev: int  # prompt tokens hit on device
     host: int  # prompt tokens hit on host beyond the device hit
-    prefetched: int  # of `dev`, tokens a hint or warm-up loaded from host ahead
     reclaim: int  # device tokens of the program's stale tail that admission frees
     own: bool  # the base comes from the program's own path
     chain: tuple[tuple[str, int], ...] = ()  # named blocks to index once admitted
@@ -242,7 +240,7 @@ class KVTree:
             stale = self._unshared_dev(e.path, path, pid) if own else 0  # type: ignore[union-attr]
             own = False
         base, cut = self._cut(path, limit)
-        dev = host = prefetched = 0
+        dev = host = 0
         on_dev = on_host = True
         pos = 0
         for node in base:
@@ -250,7 +248,6 @@ class KVTree:
             if on_dev:
                 d = min(node.dev, span)
                 dev += d
-                prefetched += min(node.prefetched, d)
                 on_dev = d == node.length
             if on_host:
                 h = min(node.host, span)
@@ -260,7 +257,7 @@ class KVTree:
         host_hit = max(0, host - dev) if host_tier else 0
         reclaim = self._stale_dev(e.path, base, cut, pid) if own else stale  # type: ignore[union-attr]
         cut = anchor[1] if anchor else cut
-        return Match(base, cut, anchor, dev, host_hit, prefetched, reclaim, own, chain)
+        return Match(base, cut, anchor, dev, host_hit, reclaim, own, chain)
 
     @staticmethod
     def _unshared_dev(path: list[Node], base: list[Node], pid: str) -> int:
@@ -333,8 +330,6 @@ class KVTree:
             self._set_dev(node, node.length)
             self.hold(node)
             node.last_use = now
-        for node in base:  # what this request hit was loaded ahead: used up now
-            node.prefetched = 0
         e.path = base
         e.running = rid
         if m.chain:
@@ -403,7 +398,6 @@ class KVTree:
         head.ranks, head.agents = list(node.ranks), Counter(node.agents)
         head.dev, head.host = min(node.dev, at), min(node.host, at)
         head.last_use, head.ready_at = node.last_use, node.ready_at
-        head.prefetched = min(node.prefetched, head.dev)
         if node.parent is not None:
             siblings = node.parent.children
             siblings[siblings.index(node)] = head
@@ -412,7 +406,6 @@ class KVTree:
         head.children.append(node)
         node.length -= at
         node.dev, node.host = max(0, node.dev - at), max(0, node.host - at)
-        node.prefetched = min(node.prefetched, node.dev)
         for pid in head.users:
             path = self.entries[pid].path
             path.insert(path.index(node), head)
@@ -423,7 +416,6 @@ class KVTree:
         node.length = length
         self._set_dev(node, min(node.dev, length))
         self._set_host(node, min(node.host, length))
-        node.prefetched = min(node.prefetched, node.dev)
 
     def _leave(self, node: Node, pid: str) -> None:
         """`pid`'s path no longer runs through `node`: free it if nobody else holds it."""
@@ -509,7 +501,6 @@ class KVTree:
             node = heapq.heappop(heap)[-1]
             take = min(tokens, node.dev)
             self._set_dev(node, node.dev - take)
-            node.prefetched = min(node.prefetched, node.dev)
             tokens -= take
             if node.dev:
                 continue
@@ -591,7 +582,6 @@ class KVTree:
             if not own or node.host < node.dev or any(c.dev for c in node.children):
                 return
             self._set_dev(node, 0)
-            node.prefetched = 0
 
     def host_extra(self, path: Iterable[Node]) -> list[tuple[Node, int]]:
         """(node, tokens) on host beyond the device prefix of `path`: what a load-back
@@ -609,10 +599,11 @@ class KVTree:
         self._set_dev(node, node.length)
 
     def load(self, parts: list[tuple[Node, int]], ready_at: float) -> None:
-        """Bring host tokens to device (the caller made room); they count as prefetched."""
+        """Bring host tokens to device (the caller made room). A request that finds them
+        there counts them as device hits, as SGLang does (its split is taken when the
+        request is matched: a loaded-back node is on device by then)."""
         for node, tokens in parts:
             self._set_dev(node, node.dev + tokens)
-            node.prefetched += tokens
             node.ready_at = max(node.ready_at, ready_at)
 
 

@@ -54,7 +54,9 @@ Warm-up (CacheSage prefetch): `warm` brings an anchor to device ahead of its rol
 request, never at a waiting request's expense: not while a request is queued, and making
 room only from segments that eviction would take before the anchor itself. A host copy is
 loaded back over PCIe; with none, the anchor is prefilled once the engine has nothing to
-admit. Loaded tokens count as host hits when used (like a busy hint's load-back).
+admit. Tokens a warm-up or a busy hint loaded ahead count as device hits when a request
+finds them, as SGLang reports them (its device/host split is taken when the request is
+matched; host hits are what the request itself loads back).
 
 Timing: prefill batches stall decode (SGLang runs prefill and decode batches in turn, no
 mixed chunks by default). A prefill batch's prompts run in forwards of the preset's
@@ -192,7 +194,6 @@ class _Request:
     generated: int = 0
     dev_hit: int = 0  # prefix found on device at admission
     host_hit: int = 0  # prefix loaded from host at admission
-    cached: tuple[int, int] = (0, 0)  # reported (device, host): prefetched tokens count as host
     aborted: bool = False
     prefill_at: float = 0.0  # when its prompt's compute starts in its prefill batch
     prefill_s: float = 0.0  # ... and how long it lasts
@@ -526,7 +527,7 @@ class ReplicaEngine:
             if req.aborted:
                 self._release(req, req.dev_hit + req.host_hit, phase.end)
                 continue
-            self._events.append(FirstToken(req.rid, phase.end, *req.cached))
+            self._events.append(FirstToken(req.rid, phase.end, req.dev_hit, req.host_hit))
             req.generated = min(1, req.output_tokens)
             if req.generated >= req.output_tokens:
                 self._finish(req, phase.end)
@@ -593,7 +594,6 @@ class ReplicaEngine:
         total = req.input_tokens + req.output_tokens
         req.path = tree.admit(pid, m, total, req.rid, now)
         req.dev_hit, req.host_hit = m.dev, m.host
-        req.cached = (m.dev - m.prefetched, m.host + m.prefetched)
         return True
 
     def _prefill_end(self, batch: list[_Request], now: float) -> tuple[float, float]:
