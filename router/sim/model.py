@@ -45,8 +45,9 @@ the stale tail at once (SGLang keeps it as an evictable branch no one reuses).
   (anchors only, when the router pushes scores), then LRU. Hints act at once: `idle` drops
   the device copy of the program's own segments if they are backed up (a device-only suffix
   or a shared segment pins them, as in the patch), `busy` loads host tokens back to device
-  ahead of the next request (costing PCIe time), `inactive` only ranks the program first to
-  go.
+  ahead of the next request (costing PCIe time; into free room only, all or nothing, as
+  the patch does: what does not fit loads with the request), `inactive` only ranks the
+  program first to go.
   Busy-typed requests are admitted before others, by the space scheduler's program
   priority when it pushes one (higher first).
 
@@ -649,16 +650,13 @@ class ReplicaEngine:
             self._load_back(e.path, now)
 
     def _load_back(self, path: list[Node], now: float) -> None:
-        """Prefetch host tokens to device, evicting only inactive or idle segments for it."""
+        """Prefetch host tokens to device into free room only, all or nothing, as the patch
+        loads back (`engine_patches`: `HiRadixCache.load_back` of the deepest host-only node
+        with its evicted ancestors, within the free rows beyond the running requests'
+        reserve; it never evicts): what does not fit loads with the request."""
         parts = self.tree.host_extra(path)
         tokens = sum(n for _, n in parts)
-        if not tokens:
-            return
-        free = self.gpu_tokens - self.tree.dev_used
-        rank, idle = self.tree.rank, RANK[Hint.IDLE]
-        if tokens > free and not self.tree.evict_device(
-            tokens - free, keep=set(path), allowed=lambda n: rank(n) <= idle
-        ):
+        if not tokens or tokens > self.gpu_tokens - self.tree.dev_used:
             return
         self._pcie_free_at = max(self._pcie_free_at, now) + self.cost.load_s(tokens)
         self.stats["loaded_tokens"] += tokens
