@@ -46,8 +46,8 @@ TOKEN_IDS = (16, 500)  # ids of prompt tokens (fits the 512-token vocabulary of 
 # decode probes: (batch, prompt as a share of the span), each prompt cut to what fits 80 %
 # of the pool: iteration time against batch size (1, 8, 32) and context (small, large),
 # and a few long sequences (2 and 4 at half and a quarter of the span), where an agent's
-# steps decode: a CPU engine reads a long sequence's KV at half the rate of short ones
-# (they stay in cache), and the short probes alone set the price of the short kind
+# steps decode: with one such probe of five, the fit's KV price was the short sequences'
+# (bench/results/2026-11-28-model-vs-engine.md)
 DECODES = ((1, 1 / 16), (1, 1.0), (2, 1 / 2), (4, 1 / 4), (8, 1 / 16), (8, 1 / 2), (32, 1 / 64))
 # wall seconds between a blocker and the calls it holds: this share of the blocker's own
 # time to first token at warm-up, within bounds (long enough for the blocker to reach the
