@@ -38,9 +38,15 @@ AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # priced pools, by what the req
 _Entry = tuple[float, int, Program, float, int]
 
 
-def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
-    """The ACTING programs not marked to leave after their step: those a move may take
+def in_tool_call(q: Program) -> bool:
+    """Whether `q` is ACTING and not marked to leave after its step: one a move may take
     off the GPU (victim pools, an urgent step's victims)."""
+    return q.status is Status.ACTING and q.demote_after_step is None
+
+
+def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
+    """The programs of `programs` in a tool call (`in_tool_call`, inlined: it runs over
+    every GPU program of a replica)."""
     return [q for q in programs if q.status is Status.ACTING and q.demote_after_step is None]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from router.policy.displacement import FRESH, in_tool_calls
+from router.policy.displacement import FRESH, in_tool_call, in_tool_calls
 from router.policy.door import Door
 from router.policy.program import Program
 from router.policy.stages import Ledger, admitted
@@ -153,8 +153,8 @@ class WaitBound:
                 key=lambda i: (acting[i].program_id in protected, -idle[i]),
             )
             ranked[replica] = [acting[i] for i in order]
-        left = [q for q in in_tool_calls(ranked[replica]) if q.placement == gpu]
-        return engine.tiers.enough(left, needed)
+        left = (q for q in ranked[replica] if q.placement == gpu and in_tool_call(q))
+        return engine.tiers.enough(left, needed)  # walks only as far as it takes
 
     # the door --------------------------------------------------------------------------
     def let_in(self, now: float) -> list[Move]:
