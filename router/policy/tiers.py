@@ -106,6 +106,8 @@ class Tiers:
     def freed_by(self, program: Program) -> int:
         """Tokens its tier's use drops by if `program` leaves (its segments other members
         still hold stay)."""
+        if not program.shared:  # most programs: nothing another could hold
+            return program.context_tokens
         holders = self._holders.get(program.placement)
         if holders is None:
             return program.context_tokens
