@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
-from itertools import count
+from itertools import accumulate, count
 
 from router.policy.ordering import Idleness, held_class
 from router.policy.program import Program
@@ -51,11 +51,15 @@ def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
 
 
 class IdlenessPool:
-    """ACTING GPU programs per replica, most idle first, built on first use in a pass."""
+    """ACTING GPU programs per replica, most idle first, built on first use in a pass.
 
-    def __init__(self, engine: Ledger, idleness: Idleness) -> None:
+    `idleness`: the pass's ranking (`Ledger.ranking`), for the requests' thresholds; a
+    pool ranks its programs with `Ledger.ranking_many`, the same values at once."""
+
+    def __init__(self, engine: Ledger, idleness: Idleness, now: float) -> None:
         self._engine = engine
         self._idleness = idleness
+        self._now = now
         self._hysteresis = engine.config.hysteresis
         self._pools: dict[str, tuple[list[Program], list[float], list[int]]] = {}
         self._start: dict[str, int] = {}  # victims before this index were taken already
@@ -64,19 +68,13 @@ class IdlenessPool:
         pool = self._pools.get(replica)
         if pool is None:
             tiers = self._engine.tiers
-            ranked = sorted(
-                (
-                    (self._idleness(q), q)
-                    for q in tiers.members(Placement(Tier.GPU, replica))
-                    if q.status is Status.ACTING
-                ),
-                key=lambda e: e[0],
-                reverse=True,
-            )
-            prefix = [0]
-            for _, q in ranked:
-                prefix.append(prefix[-1] + tiers.freed_by(q))
-            pool = self._pools[replica] = ([q for _, q in ranked], [i for i, _ in ranked], prefix)
+            gpu = Placement(Tier.GPU, replica)
+            acting = [q for q in tiers.members(gpu) if q.status is Status.ACTING]
+            idleness = self._engine.ranking_many(acting, self._now)
+            order = sorted(range(len(acting)), key=idleness.__getitem__, reverse=True)  # stable
+            ranked = [acting[i] for i in order]
+            prefix = [0, *accumulate(map(tiers.freed_by, ranked))]
+            pool = self._pools[replica] = (ranked, [idleness[i] for i in order], prefix)
             self._start[replica] = 0
         return pool
 
