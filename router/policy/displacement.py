@@ -82,6 +82,13 @@ class IdlenessPool:
         """The idleness a victim needs for `p` to swap it out (the hysteresis bar)."""
         return self._idleness(p) + self._hysteresis
 
+    def may_swap(self, p: Program, replicas: list[str]) -> bool:
+        """Whether a victim still available on any of `replicas` clears `p`'s threshold.
+        One above 1 clears none (idleness is at most 1), and no pool is ranked for it:
+        most held requests at a tick are idle enough for that."""
+        threshold = self.threshold(p)
+        return threshold <= 1.0 and threshold <= self.most_idle(replicas)
+
     def most_idle(self, replicas: list[str]) -> float:
         """The highest idleness of a victim still available on any of `replicas`."""
         best = -1.0

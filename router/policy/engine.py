@@ -681,7 +681,7 @@ class MoriEngine(Policy):
         """
         order = sorted(free, key=free.__getitem__, reverse=True)
         for p in ranked:
-            if victims.threshold(p) > victims.most_idle(order):
+            if not victims.may_swap(p, order):
                 return
             for r in self.placement.swap_replicas(p, free, now):
                 swap = self._swap(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)
