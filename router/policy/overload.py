@@ -148,11 +148,11 @@ class WaitBound:
             acting = in_tool_calls(engine.tiers.members(gpu))
             idle = engine.forecast.expected_idle_many(acting, now)  # type: ignore[union-attr]
             protected = engine.timed.protected_until  # type: ignore[union-attr]
-            order = sorted(
-                range(len(acting)),
-                key=lambda i: (acting[i].program_id in protected, -idle[i]),
-            )
-            ranked[replica] = [acting[i] for i in order]
+            farthest = sorted(range(len(acting)), key=idle.__getitem__, reverse=True)  # stable
+            by_idle = [acting[i] for i in farthest]  # then predicted-promoted ones last:
+            ranked[replica] = [q for q in by_idle if q.program_id not in protected] + [
+                q for q in by_idle if q.program_id in protected
+            ]  # a stable sort by (protected, -idle) without a tuple key per program
         left = (q for q in ranked[replica] if q.placement == gpu and in_tool_call(q))
         return engine.tiers.enough(left, needed)  # walks only as far as it takes
 
