@@ -636,9 +636,13 @@ class MoriEngine(Policy):
         for p in sorted(picked, key=lambda p: p.context_tokens, reverse=True):
             if self._place_waiting(p, free, now, moves, targets):
                 placed.add(p.program_id)
+        widest = max(free.values(), default=-1)  # room only shrinks as the pass places:
+        fits = self.tiers.least_need  # a request needing more fits nowhere, untried
         left = []
         for p in ranked:
-            if p.program_id not in placed and not self._place_waiting(p, free, now, moves, targets):
+            if p.program_id in placed:
+                continue
+            if fits(p) > widest or not self._place_waiting(p, free, now, moves, targets):
                 left.append(p)
         return left
 

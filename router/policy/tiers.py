@@ -122,6 +122,13 @@ class Tiers:
             return program.context_tokens
         return program.context_tokens - sum(s.tokens for s in program.shared if holders[s.chain])
 
+    def least_need(self, program: Program) -> int:
+        """The least `need` of `program` anywhere: its context less every shared segment
+        (a pass skips a held request that fits in no room at that)."""
+        if not program.shared:
+            return program.context_tokens
+        return program.context_tokens - sum(s.tokens for s in program.shared)
+
     def enough(self, victims: Iterable[Program], tokens: int) -> list[Program]:
         """The first `victims` (in order) whose leaving frees `tokens`, or [] if all of
         them would not (a partial move would be churn for nothing)."""
