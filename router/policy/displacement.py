@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
-from itertools import count
+from itertools import accumulate, count
 
 from router.policy.ordering import Idleness, held_class
 from router.policy.program import Program
@@ -38,18 +38,28 @@ AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # priced pools, by what the req
 _Entry = tuple[float, int, Program, float, int]
 
 
-def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
-    """The ACTING programs not marked to leave after their step: those a move may take
+def in_tool_call(q: Program) -> bool:
+    """Whether `q` is ACTING and not marked to leave after its step: one a move may take
     off the GPU (victim pools, an urgent step's victims)."""
+    return q.status is Status.ACTING and q.demote_after_step is None
+
+
+def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
+    """The programs of `programs` in a tool call (`in_tool_call`, inlined: it runs over
+    every GPU program of a replica)."""
     return [q for q in programs if q.status is Status.ACTING and q.demote_after_step is None]
 
 
 class IdlenessPool:
-    """ACTING GPU programs per replica, most idle first, built on first use in a pass."""
+    """ACTING GPU programs per replica, most idle first, built on first use in a pass.
 
-    def __init__(self, engine: Ledger, idleness: Idleness) -> None:
+    `idleness`: the pass's ranking (`Ledger.ranking`), for the requests' thresholds; a
+    pool ranks its programs with `Ledger.ranking_many`, the same values at once."""
+
+    def __init__(self, engine: Ledger, idleness: Idleness, now: float) -> None:
         self._engine = engine
         self._idleness = idleness
+        self._now = now
         self._hysteresis = engine.config.hysteresis
         self._pools: dict[str, tuple[list[Program], list[float], list[int]]] = {}
         self._start: dict[str, int] = {}  # victims before this index were taken already
@@ -58,25 +68,26 @@ class IdlenessPool:
         pool = self._pools.get(replica)
         if pool is None:
             tiers = self._engine.tiers
-            ranked = sorted(
-                (
-                    (self._idleness(q), q)
-                    for q in tiers.members(Placement(Tier.GPU, replica))
-                    if q.status is Status.ACTING
-                ),
-                key=lambda e: e[0],
-                reverse=True,
-            )
-            prefix = [0]
-            for _, q in ranked:
-                prefix.append(prefix[-1] + tiers.freed_by(q))
-            pool = self._pools[replica] = ([q for _, q in ranked], [i for i, _ in ranked], prefix)
+            gpu = Placement(Tier.GPU, replica)
+            acting = [q for q in tiers.members(gpu) if q.status is Status.ACTING]
+            idleness = self._engine.ranking_many(acting, self._now)
+            order = sorted(range(len(acting)), key=idleness.__getitem__, reverse=True)  # stable
+            ranked = [acting[i] for i in order]
+            prefix = [0, *accumulate(map(tiers.freed_by, ranked))]
+            pool = self._pools[replica] = (ranked, [idleness[i] for i in order], prefix)
             self._start[replica] = 0
         return pool
 
     def threshold(self, p: Program) -> float:
         """The idleness a victim needs for `p` to swap it out (the hysteresis bar)."""
         return self._idleness(p) + self._hysteresis
+
+    def may_swap(self, p: Program, replicas: list[str]) -> bool:
+        """Whether a victim still available on any of `replicas` clears `p`'s threshold.
+        One above 1 clears none (idleness is at most 1), and no pool is ranked for it:
+        most held requests at a tick are idle enough for that."""
+        threshold = self.threshold(p)
+        return threshold <= 1.0 and threshold <= self.most_idle(replicas)
 
     def most_idle(self, replicas: list[str]) -> float:
         """The highest idleness of a victim still available on any of `replicas`."""

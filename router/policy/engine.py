@@ -57,7 +57,7 @@ from router.policy.placement import Placing, affine_first
 from router.policy.program import Program
 from router.policy.runtime import AgentEvent
 from router.policy.stages import Act, Free, Idleness, Targets, admitted, promotion_reason
-from router.policy.timed import EPS
+from router.policy.timed import EPS, PROTECTED
 from router.policy.types import WAITING, Move, MoveReason, Placement, Status, Tier, ToolStart
 
 DEFAULT_STEP_S = 2.0  # step time assumed before any step was seen
@@ -196,6 +196,14 @@ class MoriEngine(Policy):
         ahead of a predicted tool end rank least idle: `TimeScheduler.protect`)."""
         idleness = _memo_idleness(now)
         return self.timed.protect(idleness) if self.timed else idleness
+
+    def ranking_many(self, programs: list[Program], now: float) -> list[float]:
+        """`ranking(now)` of each of `programs` at once: an idleness pool ranks every
+        ACTING GPU program of a replica, and the memo and protection's wrappers, called
+        per program, were a third of it. The same values: a program's idleness changes
+        only with an event, never within a pass."""
+        protected = self.timed.protected_until if self.timed else {}
+        return [PROTECTED if q.program_id in protected else q.idleness(now) for q in programs]
 
     def held_programs(self) -> list[Program]:
         """The held requests the passes rank: not the starts at the door (the wait bound
@@ -535,7 +543,7 @@ class MoriEngine(Policy):
             if not held:
                 return []
         idleness = self.ranking(now)
-        victims = IdlenessPool(self, idleness)
+        victims = IdlenessPool(self, idleness, now)
         moves: list[Move] = []
         held, swaps = self._promote_aged(held, free, victims, now, displace, moves)
         on_cpu, returning, new = [], [], []
@@ -628,9 +636,13 @@ class MoriEngine(Policy):
         for p in sorted(picked, key=lambda p: p.context_tokens, reverse=True):
             if self._place_waiting(p, free, now, moves, targets):
                 placed.add(p.program_id)
+        widest = max(free.values(), default=-1)  # room only shrinks as the pass places:
+        fits = self.tiers.least_need  # a request needing more fits nowhere, untried
         left = []
         for p in ranked:
-            if p.program_id not in placed and not self._place_waiting(p, free, now, moves, targets):
+            if p.program_id in placed:
+                continue
+            if fits(p) > widest or not self._place_waiting(p, free, now, moves, targets):
                 left.append(p)
         return left
 
@@ -673,7 +685,7 @@ class MoriEngine(Policy):
         """
         order = sorted(free, key=free.__getitem__, reverse=True)
         for p in ranked:
-            if victims.threshold(p) > victims.most_idle(order):
+            if not victims.may_swap(p, order):
                 return
             for r in self.placement.swap_replicas(p, free, now):
                 swap = self._swap(p, r, free, victims, MoveReason.PROMOTE_WAITING, now)

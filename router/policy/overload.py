@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from router.policy.displacement import FRESH, in_tool_calls
+from router.policy.displacement import FRESH, in_tool_call, in_tool_calls
 from router.policy.door import Door
 from router.policy.program import Program
 from router.policy.stages import Ledger, admitted
@@ -148,13 +148,13 @@ class WaitBound:
             acting = in_tool_calls(engine.tiers.members(gpu))
             idle = engine.forecast.expected_idle_many(acting, now)  # type: ignore[union-attr]
             protected = engine.timed.protected_until  # type: ignore[union-attr]
-            order = sorted(
-                range(len(acting)),
-                key=lambda i: (acting[i].program_id in protected, -idle[i]),
-            )
-            ranked[replica] = [acting[i] for i in order]
-        left = [q for q in in_tool_calls(ranked[replica]) if q.placement == gpu]
-        return engine.tiers.enough(left, needed)
+            farthest = sorted(range(len(acting)), key=idle.__getitem__, reverse=True)  # stable
+            by_idle = [acting[i] for i in farthest]  # then predicted-promoted ones last:
+            ranked[replica] = [q for q in by_idle if q.program_id not in protected] + [
+                q for q in by_idle if q.program_id in protected
+            ]  # a stable sort by (protected, -idle) without a tuple key per program
+        left = (q for q in ranked[replica] if q.placement == gpu and in_tool_call(q))
+        return engine.tiers.enough(left, needed)  # walks only as far as it takes
 
     # the door --------------------------------------------------------------------------
     def let_in(self, now: float) -> list[Move]:

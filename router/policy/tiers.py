@@ -106,6 +106,8 @@ class Tiers:
     def freed_by(self, program: Program) -> int:
         """Tokens its tier's use drops by if `program` leaves (its segments other members
         still hold stay)."""
+        if not program.shared:  # most programs: nothing another could hold
+            return program.context_tokens
         holders = self._holders.get(program.placement)
         if holders is None:
             return program.context_tokens
@@ -119,6 +121,13 @@ class Tiers:
         if program.placement == place or holders is None:
             return program.context_tokens
         return program.context_tokens - sum(s.tokens for s in program.shared if holders[s.chain])
+
+    def least_need(self, program: Program) -> int:
+        """The least `need` of `program` anywhere: its context less every shared segment
+        (a pass skips a held request that fits in no room at that)."""
+        if not program.shared:
+            return program.context_tokens
+        return program.context_tokens - sum(s.tokens for s in program.shared)
 
     def enough(self, victims: Iterable[Program], tokens: int) -> list[Program]:
         """The first `victims` (in order) whose leaving frees `tokens`, or [] if all of

@@ -39,6 +39,7 @@ from router.policy.stages import Ledger
 from router.policy.types import Move, MoveReason, Placement, Status, Tier
 
 EPS = 1e-9
+PROTECTED = -1.0  # a protected program's rank: below every idleness (those are in [0, 1])
 
 
 class TimeScheduler:
@@ -58,7 +59,7 @@ class TimeScheduler:
         protected = self.protected_until
 
         def ranked(p: Program) -> float:
-            return -1.0 if p.program_id in protected else idleness(p)
+            return PROTECTED if p.program_id in protected else idleness(p)
 
         return ranked
 
