@@ -636,13 +636,15 @@ class MoriEngine(Policy):
         for p in sorted(picked, key=lambda p: p.context_tokens, reverse=True):
             if self._place_waiting(p, free, now, moves, targets):
                 placed.add(p.program_id)
-        widest = max(free.values(), default=-1)  # room only shrinks as the pass places:
-        fits = self.tiers.least_need  # a request needing more fits nowhere, untried
+        # room only shrinks as the pass places: a request whose least need is wider than
+        # the widest room left fits nowhere, and is left untried
+        widest = max(free.values(), default=-1)
+        least_need = self.tiers.least_need
         left = []
         for p in ranked:
             if p.program_id in placed:
                 continue
-            if fits(p) > widest or not self._place_waiting(p, free, now, moves, targets):
+            if least_need(p) > widest or not self._place_waiting(p, free, now, moves, targets):
                 left.append(p)
         return left
 
