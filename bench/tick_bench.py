@@ -17,7 +17,7 @@ Only the `tick` call is timed (and, apart, the event calls between ticks).
 
 With it MORI admits every request at its arrival (its priced moves pay), so no request is
 held at a tick. `--held` also runs each policy with no priced move paying
-(`displace_margin=1e6`), the load under which ~1,400 requests wait at every tick: the cost
+(`displace_margin=1e6`), the load under which ~500 requests wait at every tick: the cost
 of the paper's passes over held requests (rows `NAME/held`).
 """
 

@@ -271,6 +271,29 @@ def test_victims_are_ranked_only_when_a_request_waits():
     assert sorted(set(ranked)) == ["a", "b", "c"]
 
 
+def test_a_pool_requests_take_from_is_ranked_again_by_the_tick():
+    """A tick re-ranks the victim pool a request took from since it was ranked, at the
+    tick's end, so the next request that must displace finds it ranked (the event path
+    stays cheap at 10 000 programs); a pool nobody took from is not ranked again."""
+    policy = make(gpu=4000)
+    ranked_at: list[float] = []
+    priced = policy.forecast.residuals
+    policy.forecast.residuals = lambda programs, more, now: (
+        ranked_at.append(now) or priced(programs, more, now)
+    )
+    for k, pid in enumerate("abcd"):
+        acting(policy, pid, float(k), 1000)
+    policy.on_request("n", 20.0, 1000)  # the tier is full: someone must move for it
+    assert policy.route("n") == "r0" and ranked_at == [20.0]
+    policy.tick(25.0)
+    assert ranked_at == [20.0, 25.0]  # ranked again as the tick ends
+    policy.on_request("m", 26.0, 1000)
+    assert policy.route("m") == "r0" and ranked_at == [20.0, 25.0]  # taken as ranked
+    policy.tick(30.0)
+    policy.tick(35.0)  # nobody took from it since 30
+    assert ranked_at == [20.0, 25.0, 30.0]
+
+
 def test_a_move_is_priced_by_what_the_request_brings():
     """Host full (host room 0), recomputes dear (500 tokens: 10 s), reloads cheap (0.05 s).
     A new request brings no host copy: its KV is written to host anew, a victim's copy

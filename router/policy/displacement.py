@@ -13,7 +13,7 @@ first, taken in order):
   expected return first (Belady's choice). At a tick every held request in priority order,
   aged ones first; on an event only the first `EVENT_CANDIDATES`, from a queue kept by
   priority, so an event stays cheap at 10 000 programs. Its pools are kept between ticks
-  and re-ranked in turns.
+  and re-ranked in turns, by the tick itself where requests were taking from them.
 
 Either way the request and its victims move in one swap (`Ledger.swap_in`).
 """
@@ -151,6 +151,11 @@ class PricedDisplacement:
             ranked += engine.tiers.count(Placement(Tier.GPU, replica))
         self.queue.rebuild(engine.held_programs(), engine.ordering.rank(now))  # type: ignore[attr-defined]
 
+    def tick_end(self, now: float) -> None:
+        """The pools `refresh` dropped that requests were taking from, ranked again now
+        (`PricedPool.rank_dropped`)."""
+        self.victims.rank_dropped(now)
+
     def held(self, p: Program, now: float) -> None:
         """A request arrived off the GPU: it joins the queue."""
         if p.placement.tier is not Tier.GPU:
@@ -262,6 +267,8 @@ class PricedPool:
         self._engine = engine
         self._pools: dict[tuple[str, str], list[_Entry]] = {}
         self._tokens: dict[tuple[str, str], int] = {}  # per pool: its entries' tokens
+        self._used: set[tuple[str, str]] = set()  # pools a request took from since ranked
+        self._dropped: set[tuple[str, str]] = set()  # in use when a tick dropped them
         self._seq = count()
 
     def _cost_s(self, q: Program, kind: str, room: int) -> float:
@@ -278,11 +285,15 @@ class PricedPool:
         return (-idle, next(self._seq), q, q.interval_start, q.context_tokens)
 
     def _pool(self, replica: str, kind: str, now: float) -> list[_Entry]:
+        """The pool a request takes from (ranked now if it is not kept): it is in use."""
         key = (replica, kind)
+        self._used.add(key)
         pool = self._pools.get(key)
-        if pool is None:
-            pool = self._pools[key] = self.rank(replica, kind, now)
-            self._tokens[key] = sum(entry[4] for entry in pool)
+        return self._rank_into(key, now) if pool is None else pool
+
+    def _rank_into(self, key: tuple[str, str], now: float) -> list[_Entry]:
+        pool = self._pools[key] = self.rank(*key, now)
+        self._tokens[key] = sum(entry[4] for entry in pool)
         return pool
 
     def rank(self, replica: str, kind: str, now: float) -> list[_Entry]:
@@ -303,11 +314,25 @@ class PricedPool:
         return sorted(e for e in entries if e)
 
     def refresh(self, replica: str) -> None:
-        """Re-rank one replica's pools (expected idle times grow as tool calls go on) when
-        next used, so while nothing waits no step's end pays for ranking its program
-        (`add` finds no pool)."""
+        """Drop one replica's pools: expected idle times grow as tool calls go on. A pool
+        the tick itself needs is ranked then; one that was in use is ranked again when the
+        tick ends (`rank_dropped`), so no event pays for it; one nobody used stays out
+        until a request needs it, so while nothing waits no step's end pays for ranking
+        its program (`add` finds no pool)."""
         for kind in (AGED, RELOAD, FRESH):
-            self._pools.pop((replica, kind), None)
+            key = (replica, kind)
+            if self._pools.pop(key, None) is not None and key in self._used:
+                self._dropped.add(key)
+            self._used.discard(key)
+
+    def rank_dropped(self, now: float) -> None:
+        """At the end of a tick: rank again the pools `refresh` dropped that a request took
+        from since they were ranked, unless the tick ranked them itself (an event would
+        have, at its own time). One nobody takes from is not ranked again."""
+        for key in sorted(self._dropped):
+            if key not in self._pools:
+                self._rank_into(key, now)
+        self._dropped.clear()
 
     def add(self, q: Program, now: float) -> None:
         """`q` went ACTING on its GPU tier: it joins the replica's pools where it pays."""

@@ -428,7 +428,10 @@ class MoriEngine(Policy):
             moves += self._demote(r, now)
             moves += self._cpu_overflow(r, now)
         moves += self.promote(now, displace=True)
-        return moves + self.gangs.schedule(now) if self.gangs else moves
+        moves += self.gangs.schedule(now) if self.gangs else []
+        if self.priced is not None:
+            self.priced.tick_end(now)
+        return moves
 
     def _demote(self, replica: str | None, now: float) -> list[Move]:
         """Bring GPU(replica) back within budget, counting lazily demoted tokens as freed
