@@ -101,15 +101,17 @@ def test_replay_split_equals_the_engines_counters(engine: Server):
     assert routed == {"device": replayed["device"], "host": replayed["host"], "miss": miss}
     # The measurement is not trivially all-miss: both tiers served prompt tokens.
     assert replayed["device"] > 0 and replayed["host"] > 0, replayed
-    # The tokenizer matches the replay: a first step (the replay's words, no answer yet) is
-    # the trace's size within 15 % (the chat template's role markers add 11-20 tokens; seen:
-    # 161-170 for 150). Later steps also carry the random model's answers, bytes
-    # that re-tokenize into a number of tokens no one can predict (1.5-5x `max_tokens` seen),
-    # so they are bounded from below only.
+    # The engine counts what the trace says: a first step (the replay's words, no answer
+    # yet) within 15 % (the chat template's role markers add 11-20 tokens to 150 until the
+    # replay has learnt them from the engine's usage), later steps within 10 % although they
+    # carry the random model's answers, which re-tokenize into 1.5-5x `max_tokens` (the
+    # replay sizes its prompts by the drift the engine's usage shows: `TokenDrift`; seen
+    # 294-316 for 300 and 458-466 for 460, and 6,008 tokens for the trace's 5,460 before).
     first = [r.input_tokens for r in ok if r.first]
     assert len(first) == 6 and all(abs(n / STEPS[0].input_tokens - 1) < 0.15 for n in first), first
-    later = sorted(r.input_tokens for r in ok if not r.first)
-    assert later[0] >= STEPS[1].input_tokens * 0.9, later
+    later = [r.input_tokens for r in ok if not r.first]
+    sizes = [min((s.input_tokens for s in STEPS[1:]), key=lambda t: abs(t - n)) for n in later]
+    assert all(abs(n / t - 1) <= 0.10 for n, t in zip(later, sizes, strict=True)), later
 
 
 def test_tiny_model_context_holds_the_generated_corpus(engine: Server):

@@ -33,7 +33,7 @@ import openai
 from router.protocol.identity import namespace
 from router.replay.apis import API_NAMES, ERRORS, Answer, Call, sender
 from router.replay.corpus import ClosedLoopCorpus
-from router.replay.prompts import Conversation
+from router.replay.prompts import Conversation, TokenDrift
 from router.replay.records import RunResult, StepRecord, summarize
 from router.replay.retries import (
     ERROR_CODE_HEADER,
@@ -185,6 +185,7 @@ class Replay:
         self.parents: dict[str, str | None] = {}
         self._handoffs: dict[tuple[str, str, int], asyncio.Event] = {}  # steps that ended
         self._apps: set[str] = set()  # app graphs registered with the router
+        self.drift = TokenDrift()  # how the engine's token counts part from the prompts'
         self._crash: BaseException | None = None
         self.labels = (config.policy_label or "unknown", config.cpu_ratio or 0.0)
         self._claimed = 0  # main programs started
@@ -313,7 +314,12 @@ class Replay:
         inherited = parent.conversation.messages if parent and program.inherit_tokens else ()
         blocks: list[tuple[str, int]] = []  # named blocks of the current prompt
         me.conversation = Conversation(
-            pid, program.agent, program.anchor_tokens, self.config.seed, program.inherit_tokens
+            pid,
+            program.agent,
+            program.anchor_tokens,
+            self.config.seed,
+            program.inherit_tokens,
+            self.drift,
         )
         me.conversation.inherit(inherited)
         self._live[pid] = me
@@ -451,6 +457,8 @@ class Replay:
                 **tries.fields(),
             )
         )
+        if usage.prompt_tokens:
+            me.conversation.record_usage(usage.prompt_tokens)
         self.progress.steps += 1
         self.progress.output_tokens += self.records[-1].output_tokens
         return "".join(answer.parts)

@@ -166,11 +166,36 @@ def _cut(messages: list[Message], tokens: int) -> list[Message]:
 
 
 @dataclass
+class TokenDrift:
+    """How many more tokens the engine counts in a prompt than this module's convention,
+    learnt from the engine's usage, so a replay sends the trace's token counts as the
+    engine counts them. A real tokenizer adds its chat template's markers to every message
+    and re-tokenizes a model's answer into more tokens than it generated (a random-weight
+    model's into 1.5-5x): uncorrected, SGLang saw 14-18 % more prompt tokens than the trace
+    gave (bench/results/2026-11-28-model-vs-engine.md). One per replay: one tokenizer.
+    Against the emulator (which counts by the convention) it stays 0."""
+
+    first: float = 0.0  # mean drift of a program's first prompt
+    growth: float = 0.0  # mean growth of a program's drift from one prompt to the next
+    _firsts: int = 0
+    _steps: int = 0
+
+    def learn_first(self, drift: int) -> None:
+        self._firsts += 1
+        self.first += (drift - self.first) / self._firsts
+
+    def learn_growth(self, growth: int) -> None:
+        self._steps += 1
+        self.growth += (growth - self.growth) / self._steps
+
+
+@dataclass
 class Conversation:
     """The growing chat of one replayed program.
 
     `next_messages(...)` gives the request for the next step; `record_answer(text)` appends
-    what the server answered, so the next prompt repeats it as the agent would.
+    what the server answered, so the next prompt repeats it as the agent would;
+    `record_usage(prompt_tokens)` tells it what the engine counted in the prompt it sent.
     """
 
     program_id: str
@@ -178,9 +203,12 @@ class Conversation:
     anchor_tokens: int = 0
     seed: int = 0
     inherit_tokens: int = 0  # a fork: the first prompt repeats this much of the parent's
+    drift: TokenDrift = field(default_factory=TokenDrift)  # shared by a replay's programs
     messages: list[Message] = field(default_factory=list)
     _inherited: list[Message] = field(default_factory=list, init=False)
     _rng: random.Random = field(init=False)
+    _sent: int = field(default=0, init=False)  # the last prompt's tokens, by the convention
+    _drift: int | None = field(default=None, init=False)  # the engine's count less _sent
 
     def __post_init__(self) -> None:
         self._rng = random.Random(_seed(self.seed, self.program_id))
@@ -188,16 +216,23 @@ class Conversation:
     def next_messages(
         self, input_tokens: int, reused_tokens: int, blocks: Sequence[tuple[str, int]] = ()
     ) -> list[Message]:
-        """Messages of about `input_tokens` tokens sharing `reused_tokens` with the history.
-        Named `blocks` (scoped id, tokens: the trace's `segments`) beyond the reused part
-        are one message each, whose text follows from the id alone, so two agents' prompts
-        that hold the same block hold the same text (a round's gathered answers)."""
+        """Messages of about `input_tokens` tokens, as the engine counts them, sharing
+        `reused_tokens` with the history. Named `blocks` (scoped id, tokens: the trace's
+        `segments`) beyond the reused part are one message each, whose text follows from
+        the id alone, so two agents' prompts that hold the same block hold the same text
+        (a round's gathered answers); the last message takes the engine's drift."""
+        expected = self.drift.first if self._drift is None else self._drift + self.drift.growth
+        input_tokens -= max(0, round(expected))
         if not self.messages and not blocks:
             self.messages = self._first(input_tokens)
-            return list(self.messages)
+            return self._send()
         history = count_tokens(render_chat(self.messages)) if self.messages else 0
-        if reused_tokens < history - KEEP_HISTORY_SLACK_TOKENS:
-            self.messages = _cut(self.messages, reused_tokens)  # the agent compacted
+        counted = history + (self._drift or 0)  # the history as the engine counts it
+        if reused_tokens < counted - KEEP_HISTORY_SLACK_TOKENS:
+            kept = reused_tokens * history // max(1, counted)
+            self.messages = _cut(self.messages, kept)  # the agent compacted
+            if self._drift is not None:
+                self._drift = self._drift * kept // max(1, history)
             history = count_tokens(render_chat(self.messages))
         end = 0
         for block_id, tokens in blocks:
@@ -208,7 +243,21 @@ class Conversation:
                 history += tokens
         if input_tokens > history:
             self.messages.append(_message_with_tokens("user", input_tokens - history, self._rng))
+        return self._send()
+
+    def _send(self) -> list[Message]:
+        self._sent = count_tokens(render_chat(self.messages))
         return list(self.messages)
+
+    def record_usage(self, prompt_tokens: int) -> None:
+        """The engine counted `prompt_tokens` in the prompt last sent: the drift it shows
+        (and its growth since the previous prompt) sizes the next prompts."""
+        drift = prompt_tokens - self._sent
+        if self._drift is None:
+            self.drift.learn_first(drift)
+        else:
+            self.drift.learn_growth(drift - self._drift)
+        self._drift = drift
 
     def inherit(self, parent_messages) -> None:
         """A forked subagent: its first prompt starts with the parent's conversation, cut
