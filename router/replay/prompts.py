@@ -222,7 +222,7 @@ class Conversation:
         the id alone, so two agents' prompts that hold the same block hold the same text
         (a round's gathered answers); the last message takes the engine's drift."""
         expected = self.drift.first if self._drift is None else self._drift + self.drift.growth
-        input_tokens -= max(0, round(expected))
+        input_tokens -= round(expected)  # a tokenizer that counts fewer gets more text
         if not self.messages and not blocks:
             self.messages = self._first(input_tokens)
             return self._send()
