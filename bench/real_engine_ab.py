@@ -57,9 +57,11 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.engine_prediction import METRICS, compare, predict, sim_config  # noqa: E402
+from bench.engine_prediction import ENGINE_TOK_S, METRICS, compare, predict, sim_config  # noqa: E402
 from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
 from bench.machine_load import CpuSplit, wait_quiet  # noqa: E402
+from engine_patches.forward_log import ENV as FORWARD_LOG  # noqa: E402
+from router.calibrate.forwards import read_forwards, tokens_by  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
@@ -130,7 +132,9 @@ def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, sh
     out = work / f"preset-{shape}.json"
     wait_quiet(args.quiet_wait)
     split = CpuSplit()
-    with patched_servers(1, model, work, engine_flags(budget)) as (engine,):
+    forwards = work / f"calibration-{shape}.forwards"
+    env = {FORWARD_LOG: str(forwards)} if args.keep is not None else None
+    with patched_servers(1, model, work, engine_flags(budget), env=env) as (engine,):
         argv = mori("calibrate", "--endpoint", engine.url, "--out", str(out))
         argv += ["--reps", str(args.calibrate_reps)]
         done = subprocess.run(argv, timeout=1800)
@@ -140,7 +144,7 @@ def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, sh
     print(f"calibration of {shape}, cores used meanwhile: {used}")
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
-        for f in (out, out.with_suffix(".png")):
+        for f in (out, out.with_suffix(".png"), *work.glob(f"{forwards.name}.*")):
             shutil.copy2(f, args.keep / f.name)
     return out
 
@@ -151,7 +155,8 @@ def one_run(
     """A fresh engine, a router with `policy`, and the replay; returns the replay's row."""
     flags = engine_flags(device_tokens)
     split = CpuSplit()
-    with patched_servers(1, model, work, flags) as (engine,):
+    forwards = work / f"{_stem(policy)}.forwards"  # the engine's per-forward timings
+    with patched_servers(1, model, work, flags, env={FORWARD_LOG: str(forwards)}) as (engine,):
         port = free_port()
         with spawn(router_argv(args, policy, engine.url, port), port):
             if policy == GATEWAY:
@@ -178,6 +183,7 @@ def one_run(
                 sampler.join()
                 cpu = split.cores()  # before the stack stops
     row = json.loads(out.read_text())["results"][0]
+    computed = tokens_by(read_forwards(forwards), args.duration) / args.duration
     if args.keep is not None:  # the replay's JSON, CSV and per-step CSV, for the tail's why
         kept = args.keep / f"{device_tokens}-{_stem(policy)}-{time.strftime('%H%M%S')}"
         kept.mkdir(parents=True, exist_ok=True)
@@ -186,8 +192,11 @@ def one_run(
                 shutil.copy2(f, kept / f.name)
         shutil.copy2(engine.log, kept / "engine.log")
         (kept / "cpu.json").write_text(json.dumps(cpu, indent=1))
+    for f in work.glob(f"{forwards.name}.*"):  # the next run's engine writes its own
+        f.unlink()
     return {
-        **{m: row[m] for m in METRICS},
+        **{m: row[m] for m in METRICS if m != ENGINE_TOK_S},
+        ENGINE_TOK_S: computed,  # from the engine's forward log: steps still running count
         "failed_steps": row.get("failed_steps", 0),  # refused or broken steps: not counted
         "running_mean": statistics.fmean(samples) if samples else 0.0,
         "others": cpu.get("others", 0.0),
@@ -236,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smg-python", type=Path, default=SMG_PYTHON)
     parser.add_argument("--write", type=Path, help="append the tables to this markdown file")
     parser.add_argument(
-        "--keep", type=Path, help="copy every replay's JSON and per-step CSV under this folder"
+        "--keep",
+        type=Path,
+        help="copy every replay's JSON and per-step CSV, the engine's log and its per-forward "
+        "timings (engine_patches/forward_log.py) under this folder",
     )
     args = parser.parse_args(argv)
     policies = split_policies(args.policies)

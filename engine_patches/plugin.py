@@ -17,6 +17,8 @@ import pkgutil
 from collections.abc import Iterable
 from types import ModuleType
 
+from engine_patches import forward_log
+
 log = logging.getLogger("mori.engine")
 
 # SGLang version -> the module that patches it (newest last).
@@ -60,4 +62,5 @@ def register() -> None:
         )
         return
     module.register()
+    forward_log.register()
     log.info("MORI engine patch installed (sglang %s)", version)

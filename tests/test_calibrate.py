@@ -17,8 +17,10 @@ from rich.console import Console
 
 from router.calibrate.cli import base_preset, recorded, usable
 from router.calibrate.fit import NAMES, Prices, fit, replay
+from router.calibrate.forwards import Forward, priced_s
 from router.calibrate.probes import Timing, schedule
 from router.presets import get_preset, read_preset
+from router.sim.model import CostModel
 from tests.servers import free_port, mori, spawn
 
 SELF_CHECK = 0.05  # every fitted price within 5 % of the emulated preset's
@@ -116,7 +118,7 @@ def test_refit_says_which_probes_calls_left_after_their_blocker(tmp_path) -> Non
     assert done.returncode == 0, done.stdout[-2000:]
     said = " ".join(done.stdout.split())
     assert "2 of 23 probes (1, 4): a call left after its blocker's first token" in said
-    _, probes, timings = recorded(late)
+    _, probes, timings, _ = recorded(late)
     console = Console(record=True, width=200)
     usable(console, probes, timings, client_clock=False)  # the emulator's engine clock
     assert "left after" not in console.export_text()
@@ -170,9 +172,10 @@ def cpu_like(pcie_bytes_s: float):
     )
 
 
-def fit_own_timings(engine):
+def fit_own_timings(engine, forwards=()):
     """Fit the timings `engine`'s own model gives the schedule (from a start the probes
-    alone set; the base preset only lends the model's shape, chunk size and pool)."""
+    alone set; the base preset only lends the model's shape, chunk size and pool), with
+    `forwards` (the engine's log) beside them."""
     probes = schedule(4608, 6144, reps=1, decode_tokens=16)
     sent = []
     for p in probes:
@@ -184,7 +187,25 @@ def fit_own_timings(engine):
         )
     measured = replay(probes, sent, engine, 2 * 6144)
     base = dataclasses.replace(get_preset("h100-8b"), chunk_tokens=4096, kv_tokens=6144)
-    return fit(probes, measured, base, 2 * 6144)
+    return fit(probes, measured, base, 2 * 6144, forwards=forwards)
+
+
+def logged(engine, slower: float = 1.0) -> list[Forward]:
+    """A forward log of decode iterations (1-32 sequences, 100-6,000 tokens) and prefill
+    batches (one or two prompts on a cached prefix) as `engine`'s model prices them, the
+    decode iterations `slower` times that."""
+    cost, rng, out = CostModel(engine), random.Random(3), []
+    for i in range(300):
+        reqs = rng.choice((1, 2, 4, 8, 16, 32))
+        f = Forward(i, 0.0, True, reqs, rng.randint(100 * reqs, 6000), ())
+        if i % 3 == 0:
+            lens = tuple(
+                (rng.randint(16, 2048), rng.choice((0, 512, 2048))) for _ in range(i % 2 + 1)
+            )
+            f = Forward(i, 0.0, False, len(lens), sum(n + c for n, c in lens), lens)
+        took = priced_s(cost, f) * (slower if f.decode else 1.0)
+        out.append(dataclasses.replace(f, took_s=took))
+    return out
 
 
 def test_fitter_recovers_the_engine_terms_gpu_kernels_lack() -> None:
@@ -192,6 +213,23 @@ def test_fitter_recovers_the_engine_terms_gpu_kernels_lack() -> None:
     result = fit_own_timings(engine)
     assert_recovered(result.prices, Prices.of(engine))
     assert "load_s" not in result.undetermined()
+
+
+def test_fitter_fits_the_engines_own_forwards_beside_the_probes() -> None:
+    """Forwards the engine logged, priced exactly as the replay prices its iterations and
+    batches, leave the recovered prices where the probes put them; forwards 30 % slower
+    than the probes' decode pull the decode prices up (halfway: the forwards weigh as
+    much as the probes), and the preset reports their residuals."""
+    engine = cpu_like(3.3e9)
+    probes = schedule(4608, 6144, reps=1, decode_tokens=16)  # fit_own_timings' schedule
+    exact = fit_own_timings(engine, logged(engine))
+    assert_recovered(exact.prices, Prices.of(engine))
+    assert exact.residuals(probes)["forward-decode_rms"] < 0.01
+    slow = fit_own_timings(engine, logged(engine, slower=1.3))
+    cost, truth = CostModel(slow.prices.preset(engine, "x", "x", {})), CostModel(engine)
+    ratio = cost.decode_step_s(4, 8000) / truth.decode_step_s(4, 8000)
+    assert 1.08 < ratio < 1.3, ratio
+    assert slow.residuals(probes)["forward-decode_median"] < 0  # still under the forwards
 
 
 def test_fitter_says_when_the_probes_cannot_pin_a_price_down() -> None:
@@ -206,7 +244,7 @@ def test_fit_of_a_suite_run_whose_first_search_took_another_branch() -> None:
     to the float): searched from the regressions and restarted from its best end only,
     the fit ended with load serial 0.10 and pair_s 8 % off; the searches from the shares'
     corners find the preset."""
-    described, probes, timings = recorded(GOLDEN / "emulator-other-branch.json")
+    described, probes, timings, _ = recorded(GOLDEN / "emulator-other-branch.json")
     base, host_pool = base_preset(described, argparse.Namespace(model_config=None))
     result = fit(probes, timings, base, host_pool)
     assert_recovered(result.prices, Prices.of(get_preset("h100-8b")))

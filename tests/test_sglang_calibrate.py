@@ -10,6 +10,8 @@ import math
 import subprocess
 from pathlib import Path
 
+from engine_patches.forward_log import ENV as FORWARD_LOG
+from router.calibrate.forwards import read_forwards
 from router.presets import read_preset
 from tests.servers import mori
 from tests.sglang.server import REAL_ENGINE, installed_version, tiny_engine
@@ -20,12 +22,12 @@ FLAGS = ["--max-total-tokens", "2048", "--hicache-ratio", "2"]
 
 
 def test_calibrate_times_the_real_engine_and_writes_a_preset(tmp_path: Path) -> None:
-    out = tmp_path / "cpu.json"
-    with tiny_engine(tmp_path, FLAGS) as server:
+    out, log = tmp_path / "cpu.json", tmp_path / "forwards"
+    with tiny_engine(tmp_path, FLAGS, env={FORWARD_LOG: str(log)}) as server:
         done = subprocess.run(
             mori(
                 "calibrate", "--endpoint", server.url, "--out", str(out), "--reps", "1",
-                "--decode-tokens", "8",
+                "--decode-tokens", "8", "--forward-log", str(log),
             ),
             capture_output=True, text=True, timeout=900,
         )  # fmt: skip
@@ -45,6 +47,15 @@ def test_calibrate_times_the_real_engine_and_writes_a_preset(tmp_path: Path) -> 
             assert call["cached_device"] >= probe["setup"][0]["tokens"] - 1, row
         elif probe["kind"] == "host-hit":
             assert call["cached_host"] > 0, row
+    # the engine logged every forward the timed calls needed: a decode iteration per token
+    # after the first, each prompt's uncached tokens in a prefill (setup calls add more)
+    calls = [t for row in doc["fit"]["probes"] for t in row["timings"]]
+    forwards = read_forwards(log)
+    assert sum(f.reqs for f in forwards if f.decode) >= sum(t["output_tokens"] - 1 for t in calls)
+    uncached = sum(t["prompt_tokens"] - t["cached_device"] - t["cached_host"] for t in calls)
+    assert sum(n for f in forwards for n, _ in f.lens) >= uncached
+    assert len(doc["fit"]["forwards"]) == len(forwards)
+    assert {"forward-decode_rms", "forward-prefill_rms"} <= set(residuals)
     preset = read_preset(out)
     assert preset.gpu_kv_tokens == 2048 and preset.flops_s > 0
     sim = subprocess.run(

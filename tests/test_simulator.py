@@ -222,3 +222,21 @@ def test_a_forked_subagent_hits_its_parents_context(test_policies):
     child = next(r for r in sim.records if r.program_id.startswith("main.fork"))
     assert child.cached_device == 6_000  # the parent's first 6k tokens, stored once
     assert sim.engines["r0"].usage()["device_used_tokens"] == 9_050 + 2_050
+
+
+def test_engine_tokens_count_a_step_still_decoding_at_the_end(test_policies):
+    """`engine_tok_s` counts every output token the engine computed by the end, as the real
+    engine's forward log does; the answered steps' `output_tok_s` misses a step cut by the
+    end. One program whose only step decodes 100,000 tokens: none is answered in 30 s, yet
+    the engine decoded one a iteration after its prefill."""
+    long = prog("a", [(2_000, 100_000, 0, 0.0)])
+    sim, result = run([long], policy="forward-all", concurrency=1, duration_s=30)
+    assert result.output_tok_s == 0
+    engine = next(iter(sim.engines.values()))
+    first = engine.cost.prefill_s(2_000, 0) + engine.cost.forwards_s(2_000)
+    iteration = engine.cost.decode_step_s(1, 2_000)
+    expected = 1 + (30 - first) / iteration  # the prefill's token, then one per iteration
+    assert result.extra["engine_tok_s"] * 30 == pytest.approx(expected, rel=0.05)
+    done, _ = run([TWO_STEPS], policy="forward-all", concurrency=1, duration_s=60)
+    answered = sum(r.output_tokens for r in done.records if r.finish_s <= 60)
+    assert next(iter(done.engines.values())).generated_by(60) >= answered

@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from router.calibrate.fit import NAMES, SHARES, FitResult, Prices, fit, observed
+from router.calibrate.forwards import Forward, log_line, read_forwards
 from router.calibrate.probes import Call, Endpoint, Probe, Timing, measure, schedule
 from router.presets import GPU, ModelSpec, Preset, get_preset, write_preset
 
@@ -85,6 +86,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         + ", ".join(NAMES),
     )
     parser.add_argument("--plot", type=Path, help="measured-vs-fitted plot (default: OUT.png)")
+    parser.add_argument(
+        "--forward-log",
+        type=Path,
+        help="the engine's own forward timings over the probes (the MORI_FORWARD_LOG path the "
+        "patched engine was started with; read after the probes), fitted beside them "
+        "(default: none; with --refit, the forwards the file recorded)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,16 +112,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.refit is not None:
-            described, probes, timings = recorded(args.refit)
+            described, probes, timings, forwards = recorded(args.refit)
         else:
             described, probes, timings = asyncio.run(_measure(args, console))
+            forwards = []
+        if args.forward_log is not None:
+            forwards = read_forwards(args.forward_log)
         base, host_pool = base_preset(described, args)
     except (OSError, ValueError, RuntimeError) as e:  # httpx errors are OSErrors' kin below
         console.print(f"[red]mori calibrate: {escape(str(e))}[/red]")
         return 2
     info = described["server_info"]
     probes, timings = usable(console, probes, timings, client_clock=not info.get("emulated"))
-    result = fit(probes, timings, base, host_pool, hold)
+    result = fit(probes, timings, base, host_pool, hold, forwards)
     truth = Prices.of(get_preset(str(info["preset"]))) if info.get("emulated") else None
     print_fit(console, probes, result, truth)
     endpoint = args.endpoint or json.loads(args.refit.read_text())["engine"]["endpoint"]
@@ -283,11 +294,12 @@ def fit_record(probes: list[Probe], timings: list[list[Timing]], result: FitResu
         "undetermined": result.undetermined(),
         "residuals": result.residuals(probes),
         "probes": rows,
+        "forwards": [log_line(f) for f in result.forwards],  # as the engine logged them
     }
 
 
-def recorded(path: Path) -> tuple[dict, list[Probe], list[list[Timing]]]:
-    """The endpoint description, probes and timings a preset file recorded."""
+def recorded(path: Path) -> tuple[dict, list[Probe], list[list[Timing]], list[Forward]]:
+    """The endpoint description, probes, timings and engine forwards a preset file recorded."""
     doc = json.loads(path.read_text())
     try:
         rows = doc["fit"]["probes"]
@@ -303,9 +315,10 @@ def recorded(path: Path) -> tuple[dict, list[Probe], list[list[Timing]]]:
         ]
         timings = [[Timing(**t) for t in r["timings"]] for r in rows]
         engine = {k: v for k, v in doc["engine"].items() if k != "endpoint"}
+        forwards = [Forward.of(line) for line in doc["fit"].get("forwards", [])]
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: no recorded probes ({type(e).__name__}: {e})") from None
-    return engine, probes, timings
+    return engine, probes, timings, forwards
 
 
 def print_fit(

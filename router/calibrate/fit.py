@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import OptimizeResult, least_squares, nnls
 
+from router.calibrate.forwards import Forward, priced_s
 from router.calibrate.probes import Probe, Timing
 from router.policy.types import EngineMode, Hint
 from router.presets import GPU, Preset
-from router.sim.model import Done, FirstToken, ReplicaEngine
+from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine
 
 SHARES = ("prefix_attention", "load_serial")  # prices that are shares in [0, 1]
 NOISE_SHARE = 0.25  # see fit(): how short a probe is timed to a relative error
@@ -128,6 +129,8 @@ class FitResult:
     # per fitted price, its standard error as a share of it (a share or an overhead near 0:
     # in its own unit); over UNDETERMINED the probes did not pin it down
     spread: dict[str, float]
+    forwards: tuple[Forward, ...] = ()  # the engine's logged forwards fitted beside the probes
+    forwards_fitted: tuple[float, ...] = ()  # ... and each as the fitted prices price it
 
     def undetermined(self) -> list[str]:
         return [n for n, e in self.spread.items() if e > UNDETERMINED]
@@ -145,6 +148,14 @@ class FitResult:
             )
             out[f"{kind}_rms"] = round(float(np.sqrt(np.mean(mine**2))), 4)
             out[f"{kind}_max_abs"] = round(float(np.max(np.abs(mine))), 4)
+        for kind, decode in (("forward-decode", True), ("forward-prefill", False)):
+            mine = np.asarray(
+                [p / f.took_s - 1 for f, p in zip(self.forwards, self.forwards_fitted, strict=True)
+                 if f.decode == decode]
+            )  # fmt: skip
+            if mine.size:
+                out[f"{kind}_rms"] = round(float(np.sqrt(np.mean(mine**2))), 4)
+                out[f"{kind}_median"] = round(float(np.median(mine)), 4)
         return out
 
 
@@ -242,9 +253,15 @@ def fit(
     base: Preset,
     host_pool: int,
     hold: Sequence[str] = (),
+    forwards: Sequence[Forward] = (),
 ) -> FitResult:
     """Least squares over the prices not in `hold` (those keep `base`'s), on `base`'s
-    model and pools. Without host-hit probes the load rate and overlap are held."""
+    model and pools. Without host-hit probes the load rate and overlap are held.
+
+    `forwards`, the engine's own log of the forwards the probes ran, are fitted beside
+    the probes: each forward's relative error against its price, the forwards together
+    weighing as much as the probes (there are ten times as many). They see what a probe
+    timed over HTTP blurs: a decode iteration's price at its exact batch and context."""
     held = Prices.of(base)
     if not any(p.kind == "host-hit" for p in probes):
         hold = (*hold, "load_s", "load_serial")
@@ -270,10 +287,18 @@ def fit(
     # milliseconds: its error counts against a quarter of the shortest prefill probe
     floor = NOISE_SHARE * floors["prefill_overhead_s"]
 
+    took = np.asarray([f.took_s for f in forwards])
+    weight = np.sqrt(len(probes) / max(1, len(forwards)))
+
+    def priced(z: np.ndarray) -> np.ndarray:
+        cost = CostModel(unpack(z).preset(base, base.name, base.gpu.name, {}))
+        return np.asarray([priced_s(cost, f) for f in forwards])
+
     def residuals(z: np.ndarray) -> np.ndarray:
         rows = model_times(z)
         fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
-        return (np.asarray(fitted) - measured) / (measured + floor)
+        probed = (np.asarray(fitted) - measured) / (measured + floor)
+        return np.concatenate([probed, weight * (priced(z) / took - 1)]) if forwards else probed
 
     shares = [i for i, n in enumerate(free) if n in SHARES]  # scale 1: z is the share
     found = _search(residuals, np.clip(z0, lower, upper), lower, upper, shares)
@@ -281,7 +306,10 @@ def fit(
     rows = model_times(solution.x)
     fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
     spread = _spread(found, scale, free)
-    return FitResult(unpack(solution.x), list(measured), fitted, rows, free, spread)
+    return FitResult(
+        unpack(solution.x), list(measured), fitted, rows, free, spread,
+        tuple(forwards), tuple(float(x) for x in priced(solution.x)) if forwards else (),
+    )  # fmt: skip
 
 
 def _search(

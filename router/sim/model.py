@@ -276,6 +276,7 @@ class ReplicaEngine:
             "warm_prefill_tokens": 0,
             "admitted": 0,  # requests that left the engine's queue for a batch ...
             "queue_wait_s": 0.0,  # ... and the seconds they spent in it, summed
+            "generated_tokens": 0,  # output tokens computed (a prefill's first, each decode)
         }
 
     # protocol ---------------------------------------------------------------------------
@@ -418,6 +419,14 @@ class ReplicaEngine:
     def residency(self, program_id: str) -> tuple[int, int]:
         return self.tree.residency(program_id)
 
+    def generated_by(self, now: float) -> int:
+        """Output tokens computed by `now`, those of requests still decoding included: what
+        an engine's own forward log counts, whichever steps are answered by then."""
+        phase = self._phase
+        if isinstance(phase, _Decode) and phase.start < now:
+            return self.stats["generated_tokens"] + phase.done_by(now) * phase.batch
+        return self.stats["generated_tokens"]
+
     def usage(self) -> dict:
         """Capacities and occupancy now; `stats` holds cumulative busy times and tokens."""
         return {
@@ -530,6 +539,7 @@ class ReplicaEngine:
                 continue
             self._events.append(FirstToken(req.rid, phase.end, req.dev_hit, req.host_hit))
             req.generated = min(1, req.output_tokens)
+            self.stats["generated_tokens"] += req.generated
             if req.generated >= req.output_tokens:
                 self._finish(req, phase.end)
             else:
@@ -537,6 +547,7 @@ class ReplicaEngine:
 
     def _end_decode(self, phase: _Decode) -> None:
         self.stats["decode_s"] += phase.end - self._t
+        self.stats["generated_tokens"] += phase.n * phase.batch
         self._t = phase.end
         still = []
         for req in self._running:

@@ -282,6 +282,9 @@ class Simulation:
             "running_mean": round(self._running_area / end / len(self.engines), 2),
             "prefill_busy": round(sum(s["prefill_s"] for s in stats) / end, 3),
             "prefill_tokens": sum(s["prefill_tokens"] for s in stats),
+            # every output token computed by the end, steps still running included (the
+            # window's answered steps alone jump with one long step finishing or not)
+            "engine_tok_s": round(sum(e.generated_by(end) for e in self.engines.values()) / end, 3),
             "loaded_tokens": sum(s["loaded_tokens"] for s in stats),
             "warm_loaded_tokens": sum(s["warm_loaded_tokens"] for s in stats),
             "warm_prefill_tokens": sum(s["warm_prefill_tokens"] for s in stats),
