@@ -131,6 +131,13 @@ class Preset:
     # the longer: 0 when HiCache loads layer by layer under the compute (a GPU's copy engine),
     # 1 when the copy and the forward take turns on the same cores.
     load_serial: float = 0.0
+    # A decode iteration's KV read rate as a share of `bytes_s`, the weights' read rate: 1
+    # where the attention kernel streams paged KV as GEMMs stream weights (GPU decode
+    # kernels); less where it gathers each sequence's rows first (SGLang's torch_native
+    # decode on CPU: about half, from the engine's forward log, bench/results/
+    # 2026-11-29-forward-log.md). One rate for both made a calibration's decode line keep
+    # the weights-to-KV bytes ratio, too flat for that engine.
+    kv_read_eff: float = 1.0
     chunk_tokens: int = 8192  # SGLang's chunked_prefill_size (8192 on 80 GB GPUs)
     kv_tokens: int | None = None  # the device pool a calibrated engine reported (else derived)
     # Where each price comes from, ("flops_s", "measured: ..."); empty: the comments here
@@ -155,6 +162,11 @@ class Preset:
     @property
     def bytes_s(self) -> float:
         return self.gpu.hbm_bytes_s * self.tp * self.bw_eff * self.tp_eff
+
+    @property
+    def kv_read_bytes_s(self) -> float:
+        """The rate a decode iteration reads its sequences' KV at."""
+        return self.bytes_s * self.kv_read_eff
 
     @property
     def pcie_bytes_s(self) -> float:
@@ -183,6 +195,7 @@ class Preset:
             "prefix_attention": kernels,
             "prefill_overhead_s": kernels,
             "load_serial": kernels,
+            "kv_read_eff": kernels,
         }
         return derived | dict(self.sources)
 

@@ -40,7 +40,8 @@ def test_calibrate_times_the_real_engine_and_writes_a_preset(tmp_path: Path) -> 
         residuals
     )
     assert all(math.isfinite(v) for v in residuals.values())
-    assert set(doc["fit"]["spread"]) == set(doc["fit"]["prices"])
+    assert set(doc["fit"]["spread"]) == set(doc["fit"]["fitted"])  # the held overhead: none
+    assert doc["fit"]["prices"]["step_overhead_s"] == read_preset(out).step_overhead_s
     for row in doc["fit"]["probes"]:  # the engine's own report: each hit probe hit its tier
         probe, call = row["probe"], row["timings"][1]
         if probe["kind"] == "device-hit":

@@ -30,6 +30,10 @@ from router.presets import GPU, Preset
 from router.sim.model import CostModel, Done, FirstToken, ReplicaEngine
 
 SHARES = ("prefix_attention", "load_serial")  # prices that are shares in [0, 1]
+# A decode iteration's floor is the weights' read plus a fixed overhead: the probes see
+# their sum only (the weights' read gives way to compute at batches far above theirs), so
+# the overhead keeps the base preset's estimate and the read takes the rest.
+ALWAYS_HELD = ("step_overhead_s",)
 NOISE_SHARE = 0.25  # see fit(): how short a probe is timed to a relative error
 ROBUST_SCALE = 0.1  # relative errors beyond this count linearly, not squared
 TIMING_NOISE = 0.01  # a probe's relative timing error at best, for the prices' spread
@@ -53,6 +57,7 @@ class Prices:
     prefix_attention: float  # share of a cached prefix's own attention an extend recomputes
     prefill_overhead_s: float  # one prefill forward's fixed cost
     kv_s: float  # one context token's KV read in a decode iteration
+    weights_s: float  # reading every weight once: a decode iteration's floor (dense model)
     step_overhead_s: float  # one decode iteration's fixed cost (beyond reading the weights)
     seq_overhead_s: float  # one running request's cost per decode iteration
     load_s: float  # one token's KV loaded from host to device
@@ -67,7 +72,8 @@ class Prices:
             pair_s=4 * m.layers * m.q_heads * m.head_dim / (preset.flops_s * preset.attn_eff),
             prefix_attention=preset.prefix_attention,
             prefill_overhead_s=preset.prefill_overhead_s,
-            kv_s=preset.kv_bytes_per_token / preset.bytes_s,
+            kv_s=preset.kv_bytes_per_token / preset.kv_read_bytes_s,
+            weights_s=m.weight_bytes / preset.bytes_s,
             step_overhead_s=preset.step_overhead_s,
             seq_overhead_s=preset.seq_overhead_s,
             load_s=preset.kv_bytes_per_token / preset.pcie_bytes_s,
@@ -78,11 +84,11 @@ class Prices:
         """A preset with these prices on `base`'s model, chunk size and pools: the device
         carries effective rates (efficiencies 1), `sources` says where each comes from."""
         m, kv_bytes = base.model, base.kv_bytes_per_token
-        flops = 2 * m.active_params / self.token_s
+        flops, weights_bytes_s = 2 * m.active_params / self.token_s, m.weight_bytes / self.weights_s
         gpu = GPU(
             name=device,
             hbm_bytes=0.0,  # the pool is measured (kv_tokens), not derived
-            hbm_bytes_s=kv_bytes / self.kv_s,
+            hbm_bytes_s=weights_bytes_s,
             bf16_flops=flops,
             pcie_bytes_s=kv_bytes / self.load_s,
             pcie_source=sources.get("pcie_bytes_s", "estimate"),
@@ -99,6 +105,7 @@ class Prices:
             prefix_attention=self.prefix_attention,
             prefill_overhead_s=self.prefill_overhead_s,
             load_serial=self.load_serial,
+            kv_read_eff=kv_bytes / (weights_bytes_s * self.kv_s),
             chunk_tokens=base.chunk_tokens,
             kv_tokens=base.gpu_kv_tokens,
             sources=tuple(sources.items()),
@@ -240,7 +247,8 @@ def start_prices(
         prefix_attention=0.5,
         prefill_overhead_s=over,
         kv_s=max(kv_s, 1e-12),
-        step_overhead_s=step,
+        weights_s=max(step - held.step_overhead_s, 1e-9),
+        step_overhead_s=held.step_overhead_s,
         seq_overhead_s=seq,
         load_s=float(np.median(positive)) if positive else held.load_s,
         load_serial=0.5 if positive else held.load_serial,
@@ -265,6 +273,7 @@ def fit(
     held = Prices.of(base)
     if not any(p.kind == "host-hit" for p in probes):
         hold = (*hold, "load_s", "load_serial")
+    hold = (*hold, *ALWAYS_HELD)
     start = start_prices(probes, timings, held)
     free = tuple(n for n in NAMES if n not in hold)
     # the search runs on prices divided by their scale, so every variable moves by ~1
@@ -402,6 +411,7 @@ def _floors(
         "prefix_attention": 1.0,
         "prefill_overhead_s": min(prefill),
         "kv_s": min(iteration) / span,
+        "weights_s": min(iteration),
         "step_overhead_s": min(iteration),
         "seq_overhead_s": min(iteration) / batch,
         "load_s": max(prefill) / span,

@@ -127,7 +127,7 @@ class CostModel:
         self._token_s = 2 * m.active_params / preset.flops_s  # one token through the weights
         # one (query, key) pair of attention
         self._pair_s = 4 * m.layers * m.q_heads * m.head_dim / (preset.flops_s * preset.attn_eff)
-        self._kv_s = preset.kv_bytes_per_token / preset.bytes_s  # read one token's KV
+        self._kv_s = preset.kv_bytes_per_token / preset.kv_read_bytes_s  # read a token's KV
         self._load_s = preset.kv_bytes_per_token / preset.pcie_bytes_s
         self._dense = m.active_params == m.total_params
 

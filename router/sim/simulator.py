@@ -174,7 +174,7 @@ class Simulation:
         self.blocks = PromptBlocks()  # named prompt blocks of every live program instance
         self.approx = None
         if config.approx is not None:
-            restore = restore_cost(self.preset.kv_bytes_per_token, self.preset.bytes_s)
+            restore = restore_cost(self.preset.kv_bytes_per_token, self.preset.kv_read_bytes_s)
             self.approx = ApproxStore(config.approx, restore.fused_s_per_token)
         self._build_policy_and_engines()
         can = self.policy.capabilities  # what it answers beyond the event interface
