@@ -134,7 +134,7 @@ class Preset:
     # A decode iteration's KV read rate as a share of `bytes_s`, the weights' read rate: 1
     # where the attention kernel streams paged KV as GEMMs stream weights (GPU decode
     # kernels); less where it gathers each sequence's rows first (SGLang's torch_native
-    # decode on CPU: about half, from the engine's forward log, bench/results/
+    # decode on CPU: 0.18-0.28, bench/results/2026-11-29-cpu-*.json; the forward log,
     # 2026-11-29-forward-log.md). One rate for both made a calibration's decode line keep
     # the weights-to-KV bytes ratio, too flat for that engine.
     kv_read_eff: float = 1.0
