@@ -18,7 +18,7 @@ Derivations:
                        + prefill_overhead_s per forward of chunk_tokens
                        pairs = n x (p + n/2) + prefix_attention x p^2 / 2 (causal attention)
   decode_step_s      = max(weights read / (hbm_bw x bw_eff), batch x 2 x active_params
-                       / (peak_flops x mfu)) + KV read / (hbm_bw x bw_eff)
+                       / (peak_flops x mfu)) + KV read / (hbm_bw x bw_eff x kv_read_eff)
                        + step overhead + batch x per-request overhead
   load_s(n)          = n x kv_bytes_per_token / pcie_bytes_s
 
