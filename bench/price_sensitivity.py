@@ -62,13 +62,15 @@ COUNTERFACTUALS: dict[str, Callable[[Preset], Preset]] = {
     "prefill_overhead_s -> 0": lambda p: dataclasses.replace(p, prefill_overhead_s=0.0),
     "seq_overhead_s -> 0": lambda p: dataclasses.replace(p, seq_overhead_s=0.0),
     "step_overhead_s -> 0": lambda p: dataclasses.replace(p, step_overhead_s=0.0),
-    "all five": lambda p: dataclasses.replace(
+    "kv_read_eff -> 1": lambda p: dataclasses.replace(p, kv_read_eff=1.0),
+    "all six": lambda p: dataclasses.replace(
         p,
         prefix_attention=0.0,
         load_serial=0.0,
         prefill_overhead_s=0.0,
         seq_overhead_s=0.0,
         step_overhead_s=0.0,
+        kv_read_eff=1.0,
     ),  # fmt: skip
 }
 
