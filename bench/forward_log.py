@@ -1,14 +1,16 @@
 """Where a live engine's time went, forward by forward, against a preset's prices.
 
     python bench/forward_log.py out/ab/4096-smg-*/smg.forwards \\
-        --preset-file bench/results/2026-11-28-cpu-512x8-long-decode.json
+        --preset-file bench/results/2026-11-29-cpu-512x8.json
 
 Reads the per-forward timings `MORI_FORWARD_LOG` makes the patched engine write
-(engine_patches/forward_log.py; `bench/real_engine_ab.py --keep` turns it on) and prices
-every forward with the cost model of the preset (`router.calibrate.forwards.priced_s`). It
-prints, per log, the time in forwards measured against priced (by kind, and decode by batch
-size) and the time between forwards, which the model has no term for but the scheduler
-spends (scheduling, host loads, streaming results) or idles.
+(engine_patches/forward_log.py; `bench/real_engine_ab.py` starts every engine with it and
+`--keep` keeps the logs) and prices every forward with the cost model of the preset
+(`router.calibrate.forwards.priced_s`). It prints, per log, the time in forwards measured
+against priced (by kind, and decode by batch size) and the time between forwards, which the
+scheduler spends (scheduling, host loads, streaming results) or idles, and which the model
+prices only inside its fitted terms (a calibration times its probes over HTTP, gaps
+included).
 """
 
 from __future__ import annotations
