@@ -61,7 +61,9 @@ from bench.engine_prediction import ENGINE_TOK_S, METRICS, compare, predict, sim
 from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
 from bench.machine_load import CpuSplit, wait_quiet  # noqa: E402
 from engine_patches.forward_log import ENV as FORWARD_LOG  # noqa: E402
-from router.calibrate.forwards import read_forwards, tokens_by  # noqa: E402
+from router.calibrate.forwards import forward_speed, read_forwards, tokens_by  # noqa: E402
+from router.presets import read_preset  # noqa: E402
+from router.sim.model import CostModel  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
 
@@ -150,9 +152,17 @@ def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, sh
 
 
 def one_run(
-    args: argparse.Namespace, policy: str, model: Path, work: Path, device_tokens: int
+    args: argparse.Namespace,
+    policy: str,
+    model: Path,
+    work: Path,
+    device_tokens: int,
+    preset: Path | None = None,
 ) -> dict:
-    """A fresh engine, a router with `policy`, and the replay; returns the replay's row."""
+    """A fresh engine, a router with `policy`, and the replay; returns the replay's row, with
+    the engine's tokens in the window and (given the prediction's `preset`) how long its
+    prefill and decode forwards took against that preset's prices: a run on a machine
+    slower than at calibration shows here, apart from the model's error."""
     flags = engine_flags(device_tokens)
     split = CpuSplit()
     forwards = work / f"{_stem(policy)}.forwards"  # the engine's per-forward timings
@@ -183,7 +193,9 @@ def one_run(
                 sampler.join()
                 cpu = split.cores()  # before the stack stops
     row = json.loads(out.read_text())["results"][0]
-    computed = tokens_by(read_forwards(forwards), args.duration) / args.duration
+    logged = read_forwards(forwards)
+    computed = tokens_by(logged, args.duration) / args.duration
+    speed = forward_speed(CostModel(read_preset(preset)), logged) if preset else {}
     if args.keep is not None:  # the replay's JSON, CSV and per-step CSV, for the tail's why
         kept = args.keep / f"{device_tokens}-{_stem(policy)}-{time.strftime('%H%M%S')}"
         kept.mkdir(parents=True, exist_ok=True)
@@ -197,6 +209,7 @@ def one_run(
     return {
         **{m: row[m] for m in METRICS if m != ENGINE_TOK_S},
         ENGINE_TOK_S: computed,  # from the engine's forward log: steps still running count
+        "forwards_vs_price": speed,
         "failed_steps": row.get("failed_steps", 0),  # refused or broken steps: not counted
         "running_mean": statistics.fmean(samples) if samples else 0.0,
         "others": cpu.get("others", 0.0),
@@ -271,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.predict and preset is None:
                 preset = calibrate(args, model, work, args.max_total_tokens[0], shape)
             for budget in args.max_total_tokens:
-                rows = runs(args, policies, model, work, budget, console)
+                rows = runs(args, policies, model, work, budget, console, preset)
                 md += report(args, shape, budget, rows, console)
                 if args.predict:
                     md += predicted(args, shape, budget, rows, preset, console, cells)
@@ -287,19 +300,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def runs(args, policies, model, work, budget, console) -> dict[str, list[dict]]:
-    """`--runs` interleaved repetitions (A B C A B C ...) of every policy on `budget`."""
+def runs(args, policies, model, work, budget, console, preset) -> dict[str, list[dict]]:
+    """`--runs` interleaved repetitions (A B C A B C ...) of every policy on `budget`; with a
+    preset (`--predict`), each run's forwards against its prices too."""
     rows: dict[str, list[dict]] = {p: [] for p in policies}
     for run in range(args.runs):
         for policy in policies:
             wait_quiet(args.quiet_wait, say=console.print)
             started, load = time.monotonic(), os.getloadavg()[0]
-            row = one_run(args, policy, model, work, budget) | {"load": load}
+            row = one_run(args, policy, model, work, budget, preset) | {"load": load}
             rows[policy].append(row)
+            speed = ", ".join(f"{k} {v:.2f}" for k, v in row.get("forwards_vs_price", {}).items())
             console.print(
                 f"{budget} tokens, run {run + 1} {escape(policy)}: {row['output_tok_s']:.1f} tok/s "
                 f"({time.monotonic() - started:.0f} s, load {load:.1f}, others "
-                f"{row['others']:.2f} cores)"
+                f"{row['others']:.2f} cores{', forwards / price: ' + speed if speed else ''})"
             )
     return rows
 

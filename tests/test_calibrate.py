@@ -17,7 +17,7 @@ from rich.console import Console
 
 from router.calibrate.cli import TERMS, base_preset, recorded, usable
 from router.calibrate.fit import ALWAYS_HELD, NAMES, Prices, fit, replay
-from router.calibrate.forwards import Forward, priced_s
+from router.calibrate.forwards import Forward, forward_speed, priced_s
 from router.calibrate.probes import Timing, schedule
 from router.presets import get_preset, read_preset
 from router.sim.model import CostModel
@@ -272,3 +272,11 @@ def test_fit_recovers_the_prices_when_calls_reach_the_engine_staggered(seed: int
         sent.append([Timing(0.0, 0, 0, p.blocker.tokens, 1, 0, 0), *late])
     result = fit(probes, replay(probes, sent, h100, 2 * pool), h100, 2 * pool)
     assert_recovered(result.prices, Prices.of(h100))
+
+
+def test_forward_speed_says_how_much_slower_the_engine_ran_than_priced() -> None:
+    """What `bench/real_engine_ab.py --predict` prints per run: a log whose decode took 1.3x
+    the prices and whose prefills took them exactly."""
+    engine = cpu_like(3.3e9)
+    speed = forward_speed(CostModel(engine), logged(engine, slower=1.3))
+    assert speed == pytest.approx({"prefill": 1.0, "decode": 1.3})

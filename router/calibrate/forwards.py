@@ -90,3 +90,15 @@ def tokens_by(forwards: list[Forward], span_s: float) -> int:
     end = forwards[0].start_s + span_s
     done = [f for f in forwards if f.start_s + f.took_s <= end]
     return sum(f.reqs if f.decode else len(f.lens) for f in done)
+
+
+def forward_speed(cost: CostModel, forwards: list[Forward]) -> dict[str, float]:
+    """Measured over priced seconds of the prefill and of the decode forwards (1: the
+    prices held; 1.2: the engine ran 20 % slower than priced)."""
+    out = {}
+    for kind, decode in (("prefill", False), ("decode", True)):
+        mine = [f for f in forwards if f.decode == decode]
+        priced = sum(priced_s(cost, f) for f in mine)
+        if priced > 0:
+            out[kind] = sum(f.took_s for f in mine) / priced
+    return out
