@@ -41,11 +41,12 @@ def summary(cost: CostModel, forwards: list[Forward]) -> dict:
         kinds = ["decode"] if f.decode else ["prefill"]
         kinds += [f"  decode, {a}-{b if b < 1 << 30 else ''} seqs" for a, b in BATCHES
                   if f.decode and a <= f.reqs <= b]  # fmt: skip
+        price = priced_s(cost, f)
         for kind in kinds:
             row = rows.setdefault(kind, [0, 0.0, 0.0])
             row[0] += 1
             row[1] += f.took_s
-            row[2] += priced_s(cost, f)
+            row[2] += price
     gaps = [b.start_s - a.start_s - a.took_s for a, b in zip(forwards, forwards[1:], strict=False)]
     low, high = GAP_EDGES
     bands = {

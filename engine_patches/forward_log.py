@@ -9,7 +9,7 @@ JSON line per `Scheduler.run_batch` to `PATH.<pid>`:
 
     {"t0": start, "t1": end, "mode": "EXTEND" | "DECODE" | ..., "reqs": sequences,
      "new": tokens computed, "prefix": cached tokens they attend to, "seq": all tokens,
-     "seqs": each sequence's tokens, "lens": an extend's [new, cached] per sequence}
+     "lens": an extend's [new, cached] per sequence}
 
 (`time.monotonic` seconds; a gap between one line's `t1` and the next `t0` is the
 scheduler's own time or idleness). `bench/forward_log.py` reads it beside a preset.
@@ -39,7 +39,6 @@ def record(batch: Any, t0: float, t1: float) -> dict[str, Any]:
         "new": int(batch.extend_num_tokens or 0) if extend else len(batch.reqs),
         "prefix": int(sum(batch.prefix_lens or ())) if extend else 0,
         "seq": int(batch.seq_lens_sum or 0),
-        "seqs": [int(x) for x in batch.seq_lens.tolist()] if batch.seq_lens is not None else [],
         # an extend's sequences, [new, cached] each: the model prices them one by one
         "lens": [list(p) for p in zip(batch.extend_lens, batch.prefix_lens, strict=True)]
         if extend

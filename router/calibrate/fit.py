@@ -288,9 +288,8 @@ def fit(
         values = {n: getattr(held, n) for n in NAMES} | dict(zip(free, z * scale, strict=True))
         return Prices(**{n: float(v) for n, v in values.items()})
 
-    def model_times(z: np.ndarray) -> list[list[Timing]]:
-        preset = unpack(z).preset(base, base.name, base.gpu.name, {})
-        return replay(probes, timings, preset, host_pool)
+    def preset_of(z: np.ndarray) -> Preset:
+        return unpack(z).preset(base, base.name, base.gpu.name, {})
 
     # relative errors, but a probe of a few milliseconds is timed no better than a few
     # milliseconds: its error counts against a quarter of the shortest prefill probe
@@ -299,25 +298,29 @@ def fit(
     took = np.asarray([f.took_s for f in forwards])
     weight = np.sqrt(len(probes) / max(1, len(forwards)))
 
-    def priced(z: np.ndarray) -> np.ndarray:
-        cost = CostModel(unpack(z).preset(base, base.name, base.gpu.name, {}))
+    def priced(preset: Preset) -> np.ndarray:
+        cost = CostModel(preset)
         return np.asarray([priced_s(cost, f) for f in forwards])
 
     def residuals(z: np.ndarray) -> np.ndarray:
-        rows = model_times(z)
+        preset = preset_of(z)  # one per evaluation, for the probes' replay and the forwards
+        rows = replay(probes, timings, preset, host_pool)
         fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
         probed = (np.asarray(fitted) - measured) / (measured + floor)
-        return np.concatenate([probed, weight * (priced(z) / took - 1)]) if forwards else probed
+        if not forwards:
+            return probed
+        return np.concatenate([probed, weight * (priced(preset) / took - 1)])
 
     shares = [i for i, n in enumerate(free) if n in SHARES]  # scale 1: z is the share
     found = _search(residuals, np.clip(z0, lower, upper), lower, upper, shares)
     solution = found[0]
-    rows = model_times(solution.x)
+    best = preset_of(solution.x)
+    rows = replay(probes, timings, best, host_pool)
     fitted = [observed(p, r) for p, r in zip(probes, rows, strict=True)]
     spread = _spread(found, scale, free)
     return FitResult(
         unpack(solution.x), list(measured), fitted, rows, free, spread,
-        tuple(forwards), tuple(float(x) for x in priced(solution.x)) if forwards else (),
+        tuple(forwards), tuple(float(x) for x in priced(best)) if forwards else (),
     )  # fmt: skip
 
 

@@ -30,11 +30,15 @@ class Forward:
 
     @classmethod
     def of(cls, line: dict) -> Forward:
-        lens = line.get("lens") or ([[line["new"], line["prefix"]]] if line["new"] else [])
+        decode = line["mode"] == "DECODE"
+        # an extend's sequences; a line without them stands for one sequence (a decode: none)
+        lens = line.get("lens") or (
+            [] if decode or not line["new"] else [[line["new"], line["prefix"]]]
+        )
         return cls(
             start_s=float(line["t0"]),
             took_s=float(line["t1"]) - float(line["t0"]),
-            decode=line["mode"] == "DECODE",
+            decode=decode,
             reqs=int(line["reqs"]),
             seq=int(line["seq"]),
             lens=tuple((int(n), int(p)) for n, p in lens),
@@ -48,7 +52,7 @@ def read_forwards(path: Path) -> list[Forward]:
     if not files:
         raise ValueError(f"{path}: no forward log (MORI_FORWARD_LOG writes {path}.<pid>)")
     lines = [json.loads(x) for f in files for x in f.read_text().splitlines() if x.strip()]
-    forwards = [Forward.of(x) for x in lines if x["mode"] == "DECODE" or x.get("new")]
+    forwards = (Forward.of(x) for x in lines)
     return sorted((f for f in forwards if f.decode or f.lens), key=lambda f: f.start_s)
 
 
