@@ -254,6 +254,7 @@ def test_kv_hints_program_type_action_sets_the_type(server: Server):
     assert server.residency()["programs"]["kv1"]["hint"] == "idle"
 
 
+@pytest.mark.slow  # the harness, not MORI: two engine start-ups (~60 s of CI's 15 minutes)
 def test_an_engine_whose_port_was_taken_starts_on_another(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -122,7 +122,7 @@ def pool_kind(p: Program, replica: str, aged: bool) -> str:
     host anew (`FRESH`; `Forecast.victim_keeps_copy`)."""
     if aged:
         return AGED
-    return RELOAD if p.placement == Placement(Tier.CPU, replica) else FRESH
+    return RELOAD if p.placement.tier is Tier.CPU and p.placement.replica == replica else FRESH
 
 
 class PricedDisplacement:

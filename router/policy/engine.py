@@ -141,8 +141,9 @@ class MoriEngine(Policy):
         lets go."""
         if self.wait_bound is not None and replica in self.wait_bound.held_for:
             return self.tiers.budget(Placement(Tier.GPU, replica)) + 1
-        reserve = self.promotion_reserve(replica)
-        return reserve - self.waiver.waived(replica, now) if self.waiver else reserve
+        band = self._reserve.get(replica, 0)  # promotion_reserve, inlined: every pass asks
+        reserve = band + self.space.unused_reserve(replica) if self.space else band
+        return reserve - self.waiver.waived(replica, band, now) if self.waiver else reserve
 
     def reasoning_on(self, replica: str) -> int:
         """How many programs have a step running on `replica` (the batch a recompute
@@ -526,10 +527,8 @@ class MoriEngine(Policy):
     def free_room(self, now: float) -> Free:
         """GPU room per replica a promotion pass may fill: free room less what the pass
         leaves free (`leave_free`)."""
-        return {
-            r: self.tiers.free(Placement(Tier.GPU, r)) - self.leave_free(r, now)
-            for r in self.tiers.replicas()
-        }
+        leave_free = self.leave_free
+        return {r: room - leave_free(r, now) for r, room in self.tiers.gpu_free().items()}
 
     def _promote_into(self, free: Free, now: float, displace: bool) -> list[Move]:
         """Promote held requests into `free`, class by class (MORI 4.3.1), updating it as
@@ -666,12 +665,13 @@ class MoriEngine(Policy):
     ) -> bool:
         """The first of its target replicas it fits on; what it needs there counts the
         shared segments the replica holds already once (Tiers.need)."""
+        gpu_place = self.tiers.gpu_place
         for r in targets(p, free, now):
-            need = self.tiers.need(p, Placement(Tier.GPU, r))
+            need = self.tiers.need(p, gpu_place[r])
             if need <= free[r]:
                 free[r] -= need
                 reason = MoveReason.PROMOTE_WAITING if p.steps > 0 else MoveReason.PROMOTE_NEW
-                moves.append(self.move(p, Placement(Tier.GPU, r), reason, now))
+                moves.append(self.move(p, gpu_place[r], reason, now))
                 return True
         return False
 

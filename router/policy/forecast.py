@@ -25,7 +25,7 @@ import numpy as np
 from router.policy.predictor import DurationPredictor
 from router.policy.program import Program
 from router.policy.stages import Ledger
-from router.policy.types import Placement, Status, Tier, ToolStart
+from router.policy.types import Status, Tier, ToolStart
 
 UNKNOWN_TOOL = "unknown"  # a gap whose tool the router was not told
 RETURN_WAIT_ALPHA = 0.1  # weight of the newest return wait in `return_wait_s`
@@ -169,8 +169,8 @@ class Forecast:
         almost nothing, and a program "offloaded" there loses its host copy and recomputes.
         """
         tiers = self.engine.tiers
-        cpu, gpu = Placement(Tier.CPU, replica), Placement(Tier.GPU, replica)
-        return tiers.budget(cpu) - tiers.used(cpu) - tiers.used(gpu)
+        used = tiers.used(tiers.cpu_place[replica]) + tiers.used(tiers.gpu_place[replica])
+        return tiers.capacity[replica].cpu_tokens - used
 
     def keeps_host_copy(self, p: Program, replica: str, room: int | None = None) -> bool:
         """Whether `p` keeps a host copy of its KV on `replica`'s CPU tier.
@@ -183,7 +183,7 @@ class Forecast:
         their prompts on return (the README's demo cell, simulated). `room`: the replica's
         `host_room`, when the caller has it."""
         room = self.host_room(replica) if room is None else room
-        if p.placement == Placement(Tier.GPU, replica):
+        if p.placement is self.engine.tiers.gpu_place[replica]:  # interned: identity
             return room >= 0
         return p.context_tokens <= room
 

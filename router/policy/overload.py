@@ -174,11 +174,7 @@ class WaitBound:
             loads = self.loads(now)
         door_load = engine.config.door_load
         spare = {r: door_load * self._room(r) - loads[r] for r in replicas if r not in closed}
-        free = {
-            r: engine.tiers.free(Placement(Tier.GPU, r)) - engine.leave_free(r, now)
-            for r in spare
-            if spare[r] > 0
-        }
+        free = {r: room for r, room in engine.free_room(now).items() if spare.get(r, 0) > 0}
         moves: list[Move] = []
         for p in starts:
             if not free:

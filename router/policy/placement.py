@@ -15,6 +15,7 @@ request may go. Two stages:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from router.policy.program import Program
@@ -25,8 +26,9 @@ from router.policy.types import Move, Placement, Tier
 class Placing(Protocol):
     """Where held requests may take room."""
 
-    def replicas_for(self, p: Program, free: Free, now: float) -> list[str]:
-        """Replicas a held WAITING (or home-leaving CPU) request may go to, in order."""
+    def replicas_for(self, p: Program, free: Free, now: float) -> Iterable[str]:
+        """Replicas a held WAITING (or home-leaving CPU) request may go to, in order (an
+        iterable the caller walks until one fits, changing `free` only then)."""
 
     def swap_replicas(self, p: Program, free: Free, now: float) -> list[str]:
         """Replicas an idleness swap may make room on for `p`, in order."""
@@ -84,7 +86,7 @@ class HomeFirst:
 
     def replicas_for(
         self, p: Program, free: Free, now: float, waited_for: frozenset = frozenset()
-    ) -> list[str]:
+    ) -> Iterable[str]:
         """A returning program goes back to its own replica (where its KV, device or host
         copy, may still be), and to another one only once moving there pays
         (`leave_for`); a new program, or one whose replica is gone, goes where each
@@ -93,12 +95,24 @@ class HomeFirst:
         home = p.last_replica
         if home not in free:
             return self.spread(free)
+        return self._home_then_paying(p, home, free, now, waited_for)
+
+    def _home_then_paying(
+        self, p: Program, home: str, free: Free, now: float, waited_for: frozenset
+    ) -> Iterator[str]:
+        """Home, then the other replicas, roomiest first, where leaving home pays: lazily,
+        since most requests fit at home and pricing a recompute on every other replica was
+        a tenth of an event (the caller stops at the first that fits, and changes `free`
+        only then)."""
+        yield home
+        if now <= p.last_active_s and p.context_tokens > 0 < self.engine.config.home_wait:
+            return  # it has not waited, and a recompute elsewhere costs more than nothing
         others = sorted(
             (r for r in free if r != home and r not in waited_for),
             key=free.__getitem__,
             reverse=True,
         )
-        return [home, *(r for r in others if self.leave_for(p, r, now))]
+        yield from (r for r in others if self.leave_for(p, r, now))
 
     def home_only(self, p: Program, free: Free, now: float) -> list[str]:
         """A returning program's own replica alone (a new one's: `spread`)."""

@@ -45,10 +45,10 @@ class BandWaiver:
     def __init__(self, engine: Ledger) -> None:
         self.engine = engine
 
-    def waived(self, replica: str, now: float) -> int:
-        """Tokens of GPU(replica)'s growth band a promotion pass may use at `now`."""
+    def waived(self, replica: str, growth: int, now: float) -> int:
+        """Tokens of GPU(replica)'s growth band (`growth`: `Ledger.growth_band`) a promotion
+        pass may use at `now`."""
         engine = self.engine
-        growth = engine.growth_band(replica)
         if growth <= 0 or engine.reasoning_on(replica) > engine.config.band_waiver_steps:
             return 0
         return self._absorbable(replica, growth, now)

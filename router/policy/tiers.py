@@ -31,11 +31,16 @@ class Tiers:
         self._used: dict[Placement, int] = {}
         self._members: dict[Placement, dict[str, Program]] = {WAITING: {}}
         self._holders: dict[Placement, Counter[str]] = {}  # segment chain id -> programs
+        # replica -> its GPU and CPU tiers: the hot paths' look-ups, without a Placement call
+        self.gpu_place: dict[str, Placement] = {}
+        self.cpu_place: dict[str, Placement] = {}
 
     # replicas -----------------------------------------------------------------
     def add_replica(self, replica: str, capacity: ReplicaCapacity) -> None:
         self.capacity[replica] = capacity
         self.healthy[replica] = True
+        self.gpu_place[replica] = Placement(Tier.GPU, replica)
+        self.cpu_place[replica] = Placement(Tier.CPU, replica)
         for tier in (Tier.GPU, Tier.CPU):
             place = Placement(tier, replica)
             self._used.setdefault(place, 0)
@@ -43,6 +48,16 @@ class Tiers:
 
     def replicas(self, healthy_only: bool = True) -> list[str]:
         return [r for r in self.capacity if self.healthy[r] or not healthy_only]
+
+    def gpu_free(self) -> dict[str, int]:
+        """Free GPU room per healthy replica (`free` of each GPU tier, in one pass: every
+        promotion pass starts from it)."""
+        used, gpu = self._used, self.gpu_place
+        return {
+            r: cap.gpu_tokens - used.get(gpu[r], 0)
+            for r, cap in self.capacity.items()
+            if self.healthy[r]
+        }
 
     # membership ----------------------------------------------------------------
     def members(self, place: Placement) -> Iterator[Program]:
