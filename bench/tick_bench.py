@@ -90,27 +90,42 @@ def build(
     return policy, rng
 
 
-def churn(
-    policy: Policy, rng: random.Random, start: float, events: int, made: list[list[Move]]
-) -> tuple[float, int]:
-    """About `events` answers and new requests spread over the tick period; returns the
-    CPU milliseconds those event calls took (admission runs there) and their count; the
-    moves they made go to `made`."""
+Churn = tuple[list, list[int], list]  # programs that answer, their grown contexts, that ask
+
+
+def pick(policy: Policy, rng: random.Random, events: int) -> Churn:
+    """About `events` programs to answer (REASONING) or send their next request (ACTING)."""
     reasoning = [p for p in policy.programs.values() if p.status is Status.REASONING]
     acting = [p for p in policy.programs.values() if p.status is Status.ACTING]
     answers = rng.sample(reasoning, min(len(reasoning), events // 2))
     asks = rng.sample(acting, min(len(acting), events // 2))
-    grown = [p.context_tokens + rng.randint(50, 900) for p in answers]
-    started = time.thread_time_ns()
+    return answers, [p.context_tokens + rng.randint(50, 900) for p in answers], asks
+
+
+def play(policy: Policy, picked: Churn, start: float, made: list[list[Move]]) -> int:
+    """The answers and requests of `picked`, spread over the tick period from `start`; the
+    moves they made go to `made`. Returns the number of events."""
+    answers, grown, asks = picked
     for k, (p, tokens) in enumerate(zip(answers, grown, strict=True)):
         made.append(policy.on_response(p.program_id, start + k * 1e-3, tokens))
     for k, p in enumerate(asks):
         if p.status is Status.ACTING:
             t = start + 2.0 + k * 1e-3
             made.append(policy.on_request(p.program_id, t, p.context_tokens + 100))
+    return len(answers) + len(asks)
+
+
+def churn(
+    policy: Policy, rng: random.Random, start: float, events: int, made: list[list[Move]]
+) -> tuple[float, int]:
+    """`play` of `pick`: returns the CPU milliseconds the event calls took (admission runs
+    there) and their count."""
+    picked = pick(policy, rng, events)
+    started = time.thread_time_ns()
+    count = play(policy, picked, start, made)
     spent = (time.thread_time_ns() - started) / 1e6
     policy.hint_updates()
-    return spent, len(answers) + len(asks)
+    return spent, count
 
 
 def measure(
