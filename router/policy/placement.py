@@ -107,6 +107,7 @@ class HomeFirst:
         yield home
         if now <= p.last_active_s and p.context_tokens > 0 < self.engine.config.home_wait:
             return  # it has not waited, and a recompute elsewhere costs more than nothing
+            # (a price is positive: the settings require it, the trackers step by factors)
         others = sorted(
             (r for r in free if r != home and r not in waited_for),
             key=free.__getitem__,
