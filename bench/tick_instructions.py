@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def count(tree: str, args: argparse.Namespace, lib: Path, work: Path) -> str:
         "--programs", str(args.programs), "--replicas", str(args.replicas),
         "--ticks", str(args.ticks), "--seed", str(args.seed), *(["--held"] if args.held else []),
     ]  # fmt: skip
-    env = {"PYTHONHASHSEED": "0", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PYTHONHASHSEED": "0"}  # the PATH `main` found valgrind on; a fixed hash
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{tree}: callgrind run failed:\n{done.stderr[-2000:]}")
