@@ -56,6 +56,7 @@ def mori(*argv: str) -> list[str]:
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM to the process group, SIGKILL after `grace_s`."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -63,9 +64,14 @@ def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill(proc)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group (started with `start_new_session`), then reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:

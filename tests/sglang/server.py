@@ -9,10 +9,13 @@ a pipe nobody reads would block it) and is shown on failure.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import free_port, stop
+from tests.servers import free_port, kill
 
 PORT_RETRIES = 3  # fresh ports tried when one is taken before the engine binds it
 BIND_FAILED = b"error while attempting to bind on address"
@@ -85,23 +88,23 @@ def server_env() -> dict[str, str]:
 
 
 def build_tiny_model(out: Path, hidden: int = 64, layers: int = 2) -> Path:
-    """The random-weight test model (tiny_model.py); wider and deeper ones make a prefill,
-    hence a cache miss, cost more relative to a decode step."""
+    """The random-weight test model (tiny_model.py) at `out`; wider and deeper ones make a
+    prefill, hence a cache miss, cost more relative to a decode step. The build is
+    deterministic (fixed seed), so each shape is built once per process and copied (a build
+    imports torch and transformers: ~6 s, paid by every engine test module before)."""
+    shutil.copytree(_built_model(hidden, layers), out)
+    return out
+
+
+@functools.cache
+def _built_model(hidden: int, layers: int) -> Path:
+    out = Path(tempfile.mkdtemp(prefix=f"mori-tiny-{hidden}x{layers}-")) / "model"
+    atexit.register(shutil.rmtree, out.parent, ignore_errors=True)
     subprocess.run(
-        [
-            str(PYTHON),
-            str(HERE / "tiny_model.py"),
-            str(out),
-            "--hidden",
-            str(hidden),
-            "--layers",
-            str(layers),
-        ],
-        env=server_env(),
-        check=True,
-        capture_output=True,
-        timeout=180,
-    )
+        [str(PYTHON), str(HERE / "tiny_model.py"), str(out), "--hidden", str(hidden),
+         "--layers", str(layers)],
+        env=server_env(), check=True, capture_output=True, timeout=180,
+    )  # fmt: skip
     return out
 
 
@@ -176,14 +179,17 @@ def patched_servers(
                     _wait_ready(servers[i], timeout_s)
                     break
                 except PortTaken:  # the free port was taken before the engine bound it
-                    stop(servers[i].proc, grace_s=10.0)
+                    kill(servers[i].proc)
                     servers[i] = start()
             else:
                 _wait_ready(servers[i], timeout_s)
         yield servers
     finally:
+        # killed, not stopped: SIGTERM to the group reaches the scheduler first, and SGLang
+        # takes a child's exit for a crash and sleeps 5 s before its diagnostics (to the main
+        # process alone: it drains for ~10 s). The engine keeps nothing a test reads after.
         for server in servers:
-            stop(server.proc, grace_s=10.0)
+            kill(server.proc)
 
 
 @contextlib.contextmanager
