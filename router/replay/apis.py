@@ -24,19 +24,29 @@ import contextlib
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import httpx
 import openai
+
+if TYPE_CHECKING:  # imported by `sender` for the Messages API alone: ~1.7 s of imports
+    import anthropic
 
 from router.protocol.accounting import CACHE_DETAILS_FLAG, Usage, anthropic_doc, openai_usage
 
 API_NAMES = ("openai", "anthropic")
-# The HTTP library under the Anthropic SDK (httpx in older releases, httpx2 in newer ones,
-# which refuse an httpx client): a transport failure mid-stream surfaces as its error.
-_SDK_HTTP = sys.modules[anthropic.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0]]
-ERRORS = (openai.OpenAIError, anthropic.AnthropicError, httpx.HTTPError, _SDK_HTTP.HTTPError)
+
+
+def errors() -> tuple[type[Exception], ...]:
+    """What a failed call raises: the OpenAI SDK's and httpx's errors, and, once a Messages
+    sender has loaded it, the Anthropic SDK's and its HTTP library's (httpx in older
+    releases, httpx2 in newer ones, which refuse an httpx client): a transport failure
+    mid-stream surfaces as the library's own error."""
+    found: tuple[type[Exception], ...] = (openai.OpenAIError, httpx.HTTPError)
+    if (sdk := sys.modules.get("anthropic")) is not None:
+        http = sys.modules[sdk.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0]]
+        found += (sdk.AnthropicError, http.HTTPError)
+    return found
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,8 @@ async def sender(
     if api == "openai":
         yield lambda answer, call: _openai(chat, now, answer, call)
         return
+    import anthropic  # noqa: PLC0415 - the Messages API's SDK, loaded when it is spoken
+
     async with anthropic.AsyncAnthropic(
         base_url=str(chat.base_url).rstrip("/").removesuffix("/v1"),
         api_key=key,

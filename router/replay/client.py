@@ -31,7 +31,7 @@ import httpx
 import openai
 
 from router.protocol.identity import namespace
-from router.replay.apis import API_NAMES, ERRORS, Answer, Call, sender
+from router.replay.apis import API_NAMES, Answer, Call, errors, sender
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation, TokenDrift
 from router.replay.records import RunResult, StepRecord, summarize
@@ -427,7 +427,7 @@ class Replay:
             answer = Answer()
             try:
                 await self.send(answer, call)
-            except ERRORS as e:
+            except errors() as e:
                 self._note_routed(me, answer)
                 delay = None if answer.first is not None else self._again_in(e, tries)
                 if delay is None:  # the SDKs give up (or the answer broke off mid-stream)
