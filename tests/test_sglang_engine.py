@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,13 +19,11 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.router_harness import router
 from tests.sglang.server import (
     HERE,
     PYTHON,
     REAL_ENGINE,
     REPO,
-    ROUTER_SETTINGS,
     Server,
     build_tiny_model,
     installed_version,
@@ -176,45 +173,6 @@ def test_chat_endpoint_carries_session_id(server: Server, client: OpenAI):
     row = server.residency()["programs"]["chat1"]
     assert row["host_tokens"] > 0
     assert row["hint"] == "busy" and row["hinted"] is False  # the default: no router named it
-
-
-def test_router_in_front_of_two_patched_replicas(tmp_path: Path):
-    """`mori serve` -> two real patched CPU replicas: a short replayed agent trace (programs
-    with growing contexts and tool gaps), and the router's hints show in each replica's
-    residency next to the KV the programs left there."""
-    model = build_tiny_model(tmp_path / "tiny")
-    flags = ["--max-total-tokens", "512", "--max-running-requests", "4"]
-    with (
-        patched_servers(2, model, tmp_path, flags) as replicas,
-        router(  # a CPU engine on a busy machine is slow: 10 s bounds are for emulators
-            [r.url for r in replicas], tick_s=0.2, gate_timeout_s=60.0, **ROUTER_SETTINGS
-        ) as base,
-    ):
-        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
-        programs = [f"trace-{i}" for i in range(6)]
-        history = {p: f"program {p} task" for p in programs}
-        for step in range(3):  # closed loop: send, wait, "run the tool", send the next step
-            for p in programs:
-                out = client.chat.completions.create(
-                    model="tiny",
-                    messages=[{"role": "user", "content": history[p]}],
-                    max_tokens=3,
-                    extra_body={"program_id": p},
-                )
-                history[p] += f" {out.choices[0].message.content} tool result {step}"
-            time.sleep(0.2)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # hints are pushed after moves and on full syncs
-            views = [r.residency() for r in replicas]
-            hinted = {p for v in views for p, s in v["programs"].items() if v["epoch"] >= 0}
-            if set(programs) <= hinted:
-                break
-            time.sleep(0.5)
-        assert set(programs) <= hinted, views
-        for p in programs:  # each program's KV sits on a replica that knows its type
-            held = [v["programs"][p] for v in views if p in v["programs"]]
-            assert any(s["device_tokens"] + s["host_tokens"] > 0 for s in held), (p, views)
-            assert all(s["hint"] in {"busy", "idle", "inactive"} for s in held)
 
 
 def test_busy_first_admission_on_the_real_schedule_policy():

@@ -6,16 +6,21 @@ and back (`busy`) has its KV offloaded and loaded back exactly as the same progr
 chat completions (tests/offload_cycle.py); `/mori/residency` names the router's ids only and
 the router adopts nothing. Before the patch carried `session_id`, SGLang stamped a Messages
 request's KV with no program: the router's program held nothing on the engine.
+
+The same two replicas then serve a router over chat completions (both in use), after the
+Messages tests: they flush the tree before each run, and read one replica's residency.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
 import httpx
 import pytest
+from openai import OpenAI
 
 from tests.offload_cycle import residency, run_cycle, sender, wait_for
 from tests.router_harness import metric, router
@@ -34,11 +39,18 @@ A_TEXT, B_TEXT = "run " * 60, "fix " * 120  # ~60 tokens: a fits the GPU tier, n
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """Two patched replicas (started side by side: start-up is mostly imports). Each
+    Messages test starts from a flushed tree; a new router takes over the hint epoch of
+    the last one, as a restarted router does."""
     work = tmp_path_factory.mktemp("sglang-messages")
-    model = build_tiny_model(work / "tiny")
-    with patched_servers(1, model, work, FLAGS) as (srv,):
-        yield srv
+    with patched_servers(2, build_tiny_model(work / "tiny"), work, FLAGS) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def server(replicas: list[Server]) -> Server:
+    return replicas[0]
 
 
 def _flush(srv: Server) -> None:
@@ -112,3 +124,39 @@ def _aborted_by_rid(c: anthropic.Anthropic, turn: list[dict], rid: str) -> bool:
     assert rest[-1].type == "message_stop"
     output = [e.usage.output_tokens for e in rest if e.type == "message_delta"]
     return not output or output[0] < 400
+
+
+def test_router_in_front_of_two_patched_replicas(replicas: list[Server]):
+    """`mori serve` -> two real patched CPU replicas: a short replayed agent trace (programs
+    with growing contexts and tool gaps), and the router's hints show in each replica's
+    residency next to the KV the programs left there."""
+    with (
+        router(  # a CPU engine on a busy machine is slow: 10 s bounds are for emulators
+            [r.url for r in replicas], tick_s=0.2, gate_timeout_s=60.0, **ROUTER_SETTINGS
+        ) as base,
+    ):
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        programs = [f"trace-{i}" for i in range(6)]
+        history = {p: f"program {p} task" for p in programs}
+        for step in range(3):  # closed loop: send, wait, "run the tool", send the next step
+            for p in programs:
+                out = client.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": history[p]}],
+                    max_tokens=3,
+                    extra_body={"program_id": p},
+                )
+                history[p] += f" {out.choices[0].message.content} tool result {step}"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # hints are pushed after moves and on full syncs
+            views = [r.residency() for r in replicas]
+            hinted = {p for v in views for p, s in v["programs"].items() if v["epoch"] >= 0}
+            if set(programs) <= hinted:
+                break
+            time.sleep(0.5)
+        assert set(programs) <= hinted, views
+        for p in programs:  # each program's KV sits on a replica that knows its type
+            held = [v["programs"][p] for v in views if p in v["programs"]]
+            assert any(s["device_tokens"] + s["host_tokens"] > 0 for s in held), (p, views)
+            assert all(s["hint"] in {"busy", "idle", "inactive"} for s in held)
