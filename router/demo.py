@@ -128,20 +128,30 @@ def free_port() -> int:
 
 
 class Stack:
-    """The demo's server processes: started in order, each waited for, all stopped on exit."""
+    """The demo's server processes: started in order, each waited for (or a group of them
+    together: `ready`), all stopped on exit."""
 
     def __init__(self, logs: Path, console: Console) -> None:
         self.logs = logs
         self.console = console
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.urls: dict[str, str] = {}
+        self._starting: list[tuple[str, subprocess.Popen, str]] = []  # not waited for yet
 
-    def start(self, name: str, argv: list[str], url: str, env: dict | None = None) -> None:
-        """`mori ARGV` as process `name`, once `url`/health answers."""
-        self.start_command(name, [sys.executable, "-m", "router.cli", *argv], url, env)
+    def start(
+        self, name: str, argv: list[str], url: str, env: dict | None = None, wait: bool = True
+    ) -> None:
+        """`mori ARGV` as process `name`, once `url`/health answers (`wait=False`: at
+        `ready`, so that servers that need not wait for each other start side by side)."""
+        self.start_command(name, [sys.executable, "-m", "router.cli", *argv], url, env, wait)
 
     def start_command(
-        self, name: str, command: list[str], url: str, env: dict | None = None
+        self,
+        name: str,
+        command: list[str],
+        url: str,
+        env: dict | None = None,
+        wait: bool = True,
     ) -> None:
         """Any server (a benchmark's external gateway) as process `name`, once it is up."""
         log = (self.logs / f"{name}.log").open("wb")
@@ -155,7 +165,15 @@ class Stack:
         )
         self.procs.append((name, proc))
         self.urls[name] = url
-        self._wait_healthy(name, proc, url + "/health")
+        self._starting.append((name, proc, url))
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait for every process started and not yet waited for to answer its health."""
+        while self._starting:
+            name, proc, url = self._starting.pop(0)
+            self._wait_healthy(name, proc, url + "/health")
 
     def _wait_healthy(self, name: str, proc: subprocess.Popen, url: str, timeout_s=60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -185,6 +203,7 @@ class Stack:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+        self._starting.clear()
 
 
 def _die_with(parent: int) -> Callable[[], None] | None:
@@ -246,7 +265,8 @@ def start_stack(args: argparse.Namespace, policy: str, stack: Stack) -> str:
         if not mode.host_tier:
             argv.append("--no-host-tier")
         urls.append(f"http://127.0.0.1:{port}")
-        stack.start(f"replica{i}", argv, urls[-1])
+        stack.start(f"replica{i}", argv, urls[-1], wait=False)
+    stack.ready()  # the replicas start side by side; the router once they answer
     port = free_port()
     env = {"MORI_TIME_SCALE": str(args.time_scale)}  # the router's timers keep pace
     argv = [
