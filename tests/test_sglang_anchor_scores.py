@@ -2,18 +2,20 @@
 engine_patches/anchor_scores.py through sglang_common): a predicted role's anchor survives
 the pressure that evicts it under plain (typed) LRU.
 
-Two patched servers run the same sequence side by side; one is told the agents' survival
-scores with the hints, the other is not. Two roles, A and B, each have two programs whose
-prompts start with the role's 40-token anchor (so the radix tree holds it once, shared);
-A's programs run first (A's anchor is the older one). Every A/B program is then typed
-inactive, and unhinted (busy) programs push the device pool over: their private tails go
-first, then one anchor. Plain LRU drops A's anchor; with A scored 0.9 and B 0.1, B's goes.
-A stale batch's scores are ignored like its hints.
+One patched server runs the same sequence twice, its cache flushed between: the first
+time it is not told the agents' survival scores with the hints, the second time it is. Two
+roles, A and B, each have two programs whose prompts start with the role's 40-token anchor
+(so the radix tree holds it once, shared); A's programs run first (A's anchor is the older
+one). Every A/B program is then typed inactive, and unhinted (busy) programs push the
+device pool over: their private tails go first, then one anchor. Plain LRU drops A's
+anchor; with A scored 0.9 and B 0.1, B's goes. A stale batch's scores are ignored like its
+hints.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import httpx
@@ -76,26 +78,42 @@ def test_a_predicted_anchor_survives_pressure_that_evicts_it_under_lru(tmp_path:
     if not PYTHON.exists():
         pytest.fail(f"SGLang venv missing at {PYTHON}: run scripts/install_sglang_cpu.sh")
     model = build_tiny_model(tmp_path / "tiny")
-    with patched_servers(2, model, tmp_path, FLAGS) as (plain, scored):
-        for server in (plain, scored):
-            for program in PROGRAMS:  # A's programs first: A's anchor is the older one
-                generate(server, program)
-            device = on_device(server)
-            assert all(tokens >= 48 for tokens in device.values()), device
+    with patched_servers(1, model, tmp_path, FLAGS) as (server,):
+        load(server)
         inactive = dict.fromkeys(PROGRAMS, "inactive")
-        plain.push_hints({"epoch": 1, "hints": inactive, "agents": PROGRAMS})
-        answer = scored.push_hints(
-            {"epoch": 1, "hints": inactive, "agents": PROGRAMS, "scores": {"A": 0.9, "B": 0.1}},
+        server.push_hints({"epoch": 1, "hints": inactive, "agents": PROGRAMS})
+        assert residency(server)["anchor_scores"] == {}
+        assert first_anchor_lost(server) == "A"  # typed LRU: the older anchor goes first
+
+        flush(server)  # the same sequence again, now with the roles' scores
+        load(server)
+        answer = server.push_hints(
+            {"epoch": 2, "hints": inactive, "agents": PROGRAMS, "scores": {"A": 0.9, "B": 0.1}},
         )
         assert set(answer["residency"]) == set(PROGRAMS)
-        assert residency(plain)["anchor_scores"] == {}
-        assert residency(scored)["anchor_scores"] == {"A": 0.9, "B": 0.1}
-        stale = scored.push_hints({"epoch": 0, "hints": {}, "scores": {"A": 0.0, "B": 1.0}})
-        assert stale["stale"] and residency(scored)["anchor_scores"] == {"A": 0.9, "B": 0.1}
-        assert residency(scored)["state"]["agents"] == len(PROGRAMS)
+        assert residency(server)["anchor_scores"] == {"A": 0.9, "B": 0.1}
+        stale = server.push_hints({"epoch": 0, "hints": {}, "scores": {"A": 0.0, "B": 1.0}})
+        assert stale["stale"] and residency(server)["anchor_scores"] == {"A": 0.9, "B": 0.1}
+        assert residency(server)["state"]["agents"] == len(PROGRAMS)
         bad = httpx.post(
-            f"{scored.url}/mori/hints", json={"epoch": 2, "hints": {}, "scores": {"A": 2}}
+            f"{server.url}/mori/hints", json={"epoch": 3, "hints": {}, "scores": {"A": 2}}
         )
         assert bad.status_code == 400 and "scores" in bad.json()["error"]["message"]
-        assert first_anchor_lost(plain) == "A"  # typed LRU: the older anchor goes first
-        assert first_anchor_lost(scored) == "B"  # A is predicted: B's anchor goes instead
+        assert first_anchor_lost(server) == "B"  # A is predicted: B's anchor goes instead
+
+
+def load(server: Server) -> None:
+    """A's programs first (A's anchor is the older one), every one whole on device."""
+    for program in PROGRAMS:
+        generate(server, program)
+    device = on_device(server)
+    assert all(tokens >= 48 for tokens in device.values()), device
+
+
+def flush(server: Server) -> None:
+    """An empty tree (device and host), once the engine is idle; hints and roles stay."""
+    deadline = time.monotonic() + 60
+    while httpx.post(f"{server.url}/flush_cache", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the engine never went idle to flush its cache"
+        time.sleep(0.5)
+    assert not any(on_device(server).values()), on_device(server)
