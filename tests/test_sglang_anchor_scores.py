@@ -15,7 +15,6 @@ hints.
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import httpx
@@ -85,7 +84,8 @@ def test_a_predicted_anchor_survives_pressure_that_evicts_it_under_lru(tmp_path:
         assert residency(server)["anchor_scores"] == {}
         assert first_anchor_lost(server) == "A"  # typed LRU: the older anchor goes first
 
-        flush(server)  # the same sequence again, now with the roles' scores
+        server.flush()  # the same sequence again, now with the roles' scores
+        assert not any(on_device(server).values()), on_device(server)
         load(server)
         answer = server.push_hints(
             {"epoch": 2, "hints": inactive, "agents": PROGRAMS, "scores": {"A": 0.9, "B": 0.1}},
@@ -108,12 +108,3 @@ def load(server: Server) -> None:
         generate(server, program)
     device = on_device(server)
     assert all(tokens >= 48 for tokens in device.values()), device
-
-
-def flush(server: Server) -> None:
-    """An empty tree (device and host), once the engine is idle; hints and roles stay."""
-    deadline = time.monotonic() + 60
-    while httpx.post(f"{server.url}/flush_cache", timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "the engine never went idle to flush its cache"
-        time.sleep(0.5)
-    assert not any(on_device(server).values()), on_device(server)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.offload_cycle import residency, run_cycle, sender, wait_for
+from tests.offload_cycle import residency, run_cycle, sender
 from tests.router_harness import metric, router
 from tests.sglang.server import (
     REAL_ENGINE,
@@ -53,22 +53,13 @@ def server(replicas: list[Server]) -> Server:
     return replicas[0]
 
 
-def _flush(srv: Server) -> None:
-    """An empty radix tree (and residency), once the engine is idle."""
-    wait_for(
-        lambda: httpx.post(srv.url + "/flush_cache", timeout=30).status_code == 200,
-        60,
-        "an idle engine to flush its cache",
-    )
-
-
 def test_a_messages_program_moves_exactly_as_a_chat_program(server: Server, tmp_path: Path):
     spec = [{"url": server.url, "gpu_tokens": 150, "cpu_tokens": 2000}]
     settings = {"tick_s": 0.2, "gate_timeout_s": 60.0, "reconcile_s": 0.5, **ROUTER_SETTINGS}
     with router(spec, log=tmp_path / "router.log", **settings) as base:
         cycles = {}
         for api in ("chat", "messages"):
-            _flush(server)  # both start from the same empty tree
+            server.flush()  # both start from the same empty tree
             send = sender(base, api, max_tokens=2)
             a, b = f"{api}-a", f"{api}-b"
             cycles[api] = run_cycle(base, server.url, send, a, b, A_TEXT, B_TEXT, timeout_s=60)

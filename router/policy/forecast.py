@@ -175,6 +175,8 @@ class Forecast:
         almost nothing, and a program "offloaded" there loses its host copy and recomputes.
         """
         tiers = self.engine.tiers
+        # the CPU tier's budget less both tiers' use, without `budget`'s calls: pricing asks
+        # per program (calling `free`/`budget` cost 1.5 % of an event's instructions)
         used = tiers.used(tiers.cpu_place[replica]) + tiers.used(tiers.gpu_place[replica])
         return tiers.capacity[replica].cpu_tokens - used
 

@@ -135,6 +135,14 @@ class Server:
         assert r.status_code == 200, r.text
         return r.json()
 
+    def flush(self, timeout_s: float = 60) -> None:
+        """An empty radix tree, device and host (and residency), once the engine is idle
+        (SGLang refuses `/flush_cache` while requests run); hints and roles stay."""
+        deadline = time.monotonic() + timeout_s
+        while httpx.post(f"{self.url}/flush_cache", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "the engine never went idle to flush its cache"
+            time.sleep(0.1)
+
     def residency(self) -> dict:
         """The patch's `/mori/residency` view."""
         r = httpx.get(f"{self.url}/mori/residency", timeout=30)
