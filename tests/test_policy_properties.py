@@ -294,12 +294,25 @@ LEAVES_ON_AN_EMPTY_END = [
     *[(0.0, _A)] * 7, (1.0, ("end", 1)),
 ]  # fmt: skip
 
+# found by the search: p1's replica r1 went down while it ran a tool call, so its next step
+# waits for any replica; the door lets p4 (a start) into r2 in place of p0, which frees far
+# more than p4 takes: the rest must go to p1 at once, not at the next tick
+START_SWAP_FREES_ROOM = [
+    (0.0, ("cancel", 0)), (0.0, ("act", 2, 0, 0)), *[(0.0, _A)] * 6, (0.0, ("act", 5, 0, 0)),
+    (0.0, ("act", 3, 1, 0)), (0.0, ("tick",)), (0.0, ("act", 1, 0, 0)), *[(0.0, ("tick",))] * 4,
+    (0.0, ("cancel", 0)), (0.0, ("end", 2)), (0.0, ("health", "r1", False)),
+    (0.0, ("act", 1, 0, 0)), (0.0, ("act", 2, 0, 0)), (0.0, ("act", 3, 0, 0)),
+    (0.0, ("cap", "r0", 50, 0)), (0.0, ("tick",)), (1.0, _A), (0.0, _A), (0.0, ("act", 0, 401, 0)),
+    (0.0, ("act", 1, 0, 0)), (0.0, ("act", 4, 0, 0)), (0.0, _A),
+]  # fmt: skip
+
 
 @pytest.mark.parametrize("name", policy_names())
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=scenario)
 @example(events=CPU_LEAVES_HOME)
 @example(events=LEAVES_ON_AN_EMPTY_END)
+@example(events=START_SWAP_FREES_ROOM)
 def test_invariants_hold_over_random_events(name: str, events) -> None:
     # tick_s=0: every driver tick is a full rebalance (mori skips it between periods)
     play(make_policy(name, PolicyConfig(lease_s=200.0, tick_s=0.0)), events)

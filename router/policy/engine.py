@@ -311,7 +311,7 @@ class MoriEngine(Policy):
         if self.forecast is not None:
             self.forecast.gave_up(program_id)
         super().cancel(program_id, now)
-        return self.wait_bound.let_in(now) if closing else []  # type: ignore[union-attr]
+        return self._let_in(now) if closing else []
 
     def end(self, program_id: str, now: float, reason: MoveReason = MoveReason.END) -> list[Move]:
         """An ended program's room goes to the gate at once, not at the next tick. The pass
@@ -502,7 +502,16 @@ class MoriEngine(Policy):
             return self._passes(now, displace)
         moves = self.wait_bound.serve_urgent(now)  # type: ignore[union-attr]
         moves += self._passes(now, displace)
-        return moves + self.wait_bound.let_in(now)  # type: ignore[union-attr]
+        return moves + self._let_in(now)
+
+    def _let_in(self, now: float) -> list[Move]:
+        """The door's starts; where one took the place of programs in tool calls, what the
+        swap freed beyond its need goes to the held requests at once (a step in flight
+        whose replica is gone may wait for any replica, so none is closed to the door)."""
+        starts = self.wait_bound.let_in(now)  # type: ignore[union-attr]
+        if self._held and any(not m.to_gpu for m in starts):
+            starts += self.promote(now)
+        return starts
 
     def _passes(self, now: float, displace: bool) -> list[Move]:
         """The paper's pass (into free room; at a tick also its idleness swaps), then the
