@@ -7,16 +7,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import subprocess
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from rich.console import Console
+from scipy.optimize import least_squares
 
 from router.calibrate.cli import TERMS, base_preset, recorded, usable
-from router.calibrate.fit import ALWAYS_HELD, NAMES, Prices, fit, replay
+from router.calibrate.fit import ALWAYS_HELD, NAMES, Prices, _jacobian_workers, fit, replay
 from router.calibrate.forwards import Forward, forward_speed, priced_s
 from router.calibrate.probes import Timing, schedule
 from router.presets import get_preset, read_preset
@@ -280,3 +283,24 @@ def test_forward_speed_says_how_much_slower_the_engine_ran_than_priced() -> None
     engine = cpu_like(3.3e9)
     speed = forward_speed(CostModel(engine), logged(engine, slower=1.3))
     assert speed == pytest.approx({"prefill": 1.0, "decode": 1.3})
+
+
+def test_the_jacobian_workers_fit_to_the_bit_what_one_process_fits(monkeypatch) -> None:
+    """The fit maps its finite-difference steps over forked workers (a closure, run as it
+    is): the search ends where scipy's own map takes it, to the float, in as many steps."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    calls = [0]
+
+    def residuals(z: np.ndarray) -> np.ndarray:
+        calls[0] += 1
+        return np.asarray([z[0] ** 2 - 2.0, z[0] * z[1] - 3.0, np.sin(z[1]) - 0.5 * z[0]])
+
+    search = {"diff_step": 1e-3, "bounds": ([1e-9, 1e-9], [10.0, 10.0])}
+    with _jacobian_workers(residuals, 2) as workers:
+        assert workers is not None
+        apart = least_squares(residuals, [1.0, 1.0], workers=workers, **search)
+    here = calls[0]  # the workers' evaluations are counted in their own copies
+    alone = least_squares(residuals, [1.0, 1.0], **search)
+    assert apart.x.tolist() == alone.x.tolist() and apart.nfev == alone.nfev
+    assert apart.njev == alone.njev > 1
+    assert calls[0] - here > here  # alone, the Jacobian's steps ran here too

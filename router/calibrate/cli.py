@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     info = described["server_info"]
     probes, timings = usable(console, probes, timings, client_clock=not info.get("emulated"))
-    result = fit(probes, timings, base, host_pool, hold, forwards)
+    with console.status("fitting the prices to the probes (least squares, ~1 min on 2 CPUs)"):
+        result = fit(probes, timings, base, host_pool, hold, forwards)
     truth = Prices.of(get_preset(str(info["preset"]))) if info.get("emulated") else None
     print_fit(console, probes, result, truth)
     endpoint = args.endpoint or json.loads(args.refit.read_text())["engine"]["endpoint"]
