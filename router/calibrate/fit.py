@@ -377,7 +377,7 @@ def _jacobian_workers(
 ) -> Iterator[Callable[[Callable, Iterable[np.ndarray]], list[np.ndarray]] | None]:
     """A map of the Jacobian's finite-difference steps over worker processes, one a CPU
     up to one a price (None: scipy's own, in this process). A fit is ~90 % Jacobians, one
-    replay of every probe per price, each independent of the others: 2 CPUs fit in ~0.6 of
+    replay of every probe per price, each independent of the others: 2 CPUs fit in ~0.7 of
     the time, to the same bit (the replay is deterministic). The workers are forked after
     `residuals` is made, so they run the closure as it is (a closure does not pickle); the
     map hands them the steps, not scipy's wrapper of `residuals`, which only makes the
