@@ -11,7 +11,6 @@ goes back (hint `busy`: the engine loads it back), and ends.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import httpx
 import openai
 
 from router.protocol.accounting import CACHE_DETAILS_FLAG
+from tests.servers import wait_for
 
 LONG_TOOL = {"tool": "bash:pytest", "predict_time": 600}  # worth moving off the GPU
 
@@ -73,15 +73,6 @@ def _split(extra: dict | None) -> dict:
 
 def residency(replica: str) -> dict[str, Any]:
     return httpx.get(replica + "/mori/residency", timeout=30).json()["programs"]
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return found
 
 
 def run_cycle(

@@ -10,10 +10,21 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll `check` every 0.1 s until it returns something true (returned), or fail."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return found
 
 
 def free_port() -> int:

@@ -18,9 +18,8 @@ import random
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.sglang.server import PYTHON, REAL_ENGINE, Server, build_tiny_model, patched_servers
+from tests.sglang.server import REAL_ENGINE, Server, tiny_engine
 
 pytestmark = REAL_ENGINE
 
@@ -74,10 +73,7 @@ def first_anchor_lost(server: Server) -> str:
 
 
 def test_a_predicted_anchor_survives_pressure_that_evicts_it_under_lru(tmp_path: Path):
-    if not PYTHON.exists():
-        pytest.fail(f"SGLang venv missing at {PYTHON}: run scripts/install_sglang_cpu.sh")
-    model = build_tiny_model(tmp_path / "tiny")
-    with patched_servers(1, model, tmp_path, FLAGS) as (server,):
+    with tiny_engine(tmp_path, FLAGS) as server:
         load(server)
         inactive = dict.fromkeys(PROGRAMS, "inactive")
         server.push_hints({"epoch": 1, "hints": inactive, "agents": PROGRAMS})

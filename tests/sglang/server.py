@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import free_port, kill
+from tests.servers import free_port, kill, wait_for
 
 PORT_RETRIES = 3  # fresh ports tried when one is taken before the engine binds it
 BIND_FAILED = b"error while attempting to bind on address"
@@ -138,10 +138,10 @@ class Server:
     def flush(self, timeout_s: float = 60) -> None:
         """An empty radix tree, device and host (and residency), once the engine is idle
         (SGLang refuses `/flush_cache` while requests run); hints and roles stay."""
-        deadline = time.monotonic() + timeout_s
-        while httpx.post(f"{self.url}/flush_cache", timeout=30).status_code != 200:
-            assert time.monotonic() < deadline, "the engine never went idle to flush its cache"
-            time.sleep(0.1)
+        wait_for(self._flushed, timeout_s, "the engine to go idle and flush its cache")
+
+    def _flushed(self) -> bool:
+        return httpx.post(f"{self.url}/flush_cache", timeout=30).status_code == 200
 
     def residency(self) -> dict:
         """The patch's `/mori/residency` view."""
