@@ -231,3 +231,60 @@ def test_a_higher_priority_start_is_let_in_first():
     policy.end("x", 9.0)  # room for `a`, then 400 left: one start
     assert policy.route("urgent-task") == "r0"
     assert policy.route("early") is None
+
+
+def three_running_then_a_start(cpu: int, at: float, **cfg) -> MoriEngine:
+    """`a`, `b`, `c` (100 tokens each, 300 at life size) reason on an 800-token GPU:
+    900 of busy load against door_load x 800; `d` (100, fits the free room) asks at 0.6
+    and waits; the engine ticks every 10 s until `at`."""
+    policy = make(gpu=800, cpu=cpu, door_load=1.0, **cfg)
+    for pid, t in (("a", 0.0), ("b", 0.0), ("c", 0.5)):
+        policy.on_request(pid, t, 100)
+        assert policy.route(pid) == "r0"
+    policy.on_request("d", 0.6, 100)
+    assert policy.route("d") is None
+    for t in range(10, int(at) + 1, 10):
+        policy.tick(float(t))
+    return policy
+
+
+def test_the_door_opens_wider_while_steps_run_unheld_and_the_host_holds_every_program():
+    """After calm (no step in flight held) the door lets in past `door_load`, up to
+    `door_gain_max` times it, where the host tier holds every program at life size; not
+    where it does not (a parked program would lose its host copy and recompute), and not
+    with the gain off."""
+    roomy = three_running_then_a_start(cpu=4000, at=300.0)
+    assert roomy.route("d") == "r0"
+    assert roomy.wait_bound.spare("r0", 300.0) < roomy.config.door_load * 800  # bounded
+    no_host = three_running_then_a_start(cpu=800, at=300.0)  # 0.8 x 800 < 4 x 300
+    assert no_host.route("d") is None
+    fixed = three_running_then_a_start(cpu=4000, at=300.0, door_gain_max=1.0)
+    assert fixed.route("d") is None
+    early = three_running_then_a_start(cpu=4000, at=30.0)  # calm for 30 s: gain ~1.1
+    assert early.route("d") is None
+
+
+def test_a_held_step_in_flight_closes_the_wider_door_again():
+    """The gain grown over 200 s of calm falls back towards 1 while a step in flight is
+    held on the replica: the door is then as wide as with the gain off."""
+
+    def held_from_200(**cfg) -> MoriEngine:
+        policy = make(gpu=1000, cpu=100_000, door_load=5.0, **cfg)
+        run_step(policy, "a", 0.0, 600)
+        policy.move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
+        run_step(policy, "x", 2.0, 500)
+        policy.on_tool_start("x", 3.0, "pytest")
+        for t in range(10, 200, 10):
+            policy.tick(float(t))
+        return policy
+
+    gained, fixed = held_from_200(), held_from_200(door_gain_max=1.0)
+    assert gained.wait_bound.spare("r0", 199.0) > fixed.wait_bound.spare("r0", 199.0) + 300
+    for policy in (gained, fixed):
+        policy.on_request("a", 200.0, 600)  # 500 free: held until urgent at 230
+        assert policy.route("a") is None
+        for t in range(201, 229):
+            policy.tick(float(t))
+        assert policy.route("a") is None
+    gap = gained.wait_bound.spare("r0", 228.0) - fixed.wait_bound.spare("r0", 228.0)
+    assert 0.0 <= gap < 10.0

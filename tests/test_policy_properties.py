@@ -107,7 +107,7 @@ def priced_targets(policy: MoriEngine, p, healthy: list[str], now: float) -> lis
 def overload_targets(policy: MoriEngine, p, healthy: list[str], now: float) -> list[str]:
     """mori's overload rules: a replica that keeps its room for an urgent step in flight
     takes nothing else, and a start at the door goes only where no step in flight waits
-    and the programs in flight leave load to spare."""
+    and the programs in flight leave load to spare (`WaitBound.spare`)."""
     healthy = [
         r for r in healthy if policy.wait_bound.held_for.get(r, p.program_id) == p.program_id
     ]
@@ -116,9 +116,8 @@ def overload_targets(policy: MoriEngine, p, healthy: list[str], now: float) -> l
     waited_for = {
         q.last_replica for q in policy.every_held() if q.program_id not in policy.wait_bound.door
     }
-    load = policy.wait_bound.loads(now)  # as the door last summed it
-    room = {r: policy.config.door_load * policy.wait_bound._room(r) for r in healthy}
-    return [r for r in healthy if r not in waited_for and load.get(r, 0.0) < room[r]]
+    spare = policy.wait_bound.spare  # load and gains as the door last had them
+    return [r for r in healthy if r not in waited_for and spare(r, now) > 0]
 
 
 def sticks_home(policy: MoriEngine, p) -> bool:

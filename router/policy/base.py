@@ -103,6 +103,9 @@ class PolicyConfig:
     # mori: the door lets a start in while the programs in flight on its replica keep less
     # than this share of its GPU room busy (context x share of time reasoning, summed)
     door_load: float = 1.0
+    # mori: the door opens up to this many times `door_load` on a replica whose steps in
+    # flight stay unheld and whose host tier holds every program of it (1: fixed door)
+    door_gain_max: float = 2.0
     # mori: the longest a start is held at the door; one expected to wait longer is told at
     # once to come back when its turn is expected (429 + Retry-After), keeping its place
     start_hold_s: float = 30.0

@@ -6,12 +6,14 @@ A program served once has a bound on how long its next step may be held
 before anything else, into free room or in place of programs in tool calls, or its
 replica's room is kept for it until running steps end. A program's first request waits at
 the door (`router.policy.door`) and is let in only where no step in flight waits and the
-programs in flight leave load to spare; one not expected in before the gate times it out
+programs in flight leave load to spare (more, up to `door_gain_max`, while they stay
+unheld and the host tier holds them all); one not expected in before the gate times it out
 is told at once to come back.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -28,6 +30,15 @@ URGENT_SHARE = 0.5  # a held step in flight goes first after this share of max_s
 GROWTH_PRIOR = 3.0
 LIFE_SAMPLES = 5  # ... this many programs ended and their own mean is known
 LIFE_ALPHA = 0.05  # weight of the newest ended program in the mean context of a life
+# the door's gain (`door_gain_max`; bench/results/2026-11-29-door-gain.md): a held step in
+# flight that waited this share of the bound strains its replica (1.2 s of 120: at 2.4 s
+# the 2-replica 32k cell's in-flight p99 passed smg's)
+STRAIN_SHARE = 0.01
+GAIN_RISE_S = 300.0  # ... the gain rises by 1 over this much calm (trace seconds)
+GAIN_FALL_S = 5.0  # ... and falls e-fold over this much strain
+# ... and opens past door_load only while the replica's programs at life size fit this
+# share of its host tier (1.0 lost 2.3 % in a Claude cell)
+HOST_FIT = 0.8
 
 
 class WaitBound:
@@ -44,7 +55,10 @@ class WaitBound:
         self._life_context = 0.0  # mean context over a program's steps, programs that ended
         self._lives = 0  # programs that ended after a step
         self.load: dict[str, float] | None = None  # replica -> busy tokens (`loads`)
-        self._load_of: dict[str, tuple[str, float]] = {}  # program -> what it adds there
+        self.size: dict[str, float] = {}  # replica -> its programs' KV at life size (`loads`)
+        self._load_of: dict[str, tuple[str, float, float]] = {}  # program -> what it adds there
+        self._gain: dict[str, float] = {}  # replica -> the door's opening over door_load
+        self._gain_at: float | None = None  # when the gains were last brought up to date
 
     @property
     def on(self) -> bool:
@@ -160,21 +174,19 @@ class WaitBound:
     def let_in(self, now: float) -> list[Move]:
         """Starts at the door, in the order they first asked (a client's `priority` first),
         onto replicas where no step in flight waits and the programs in flight leave load
-        to spare (`loads`): into free room, where each program would have the most (as any
+        to spare (`spare`): into free room, where each program would have the most (as any
         new program), else in place of programs in tool calls whose move pays."""
         engine = self.engine
+        self._update_gains(now)  # every pass, so it sees the strain while no start waits
         starts = sorted(self.door.held(), key=lambda p: -p.priority)  # stable: door order
         if not starts:
             return []
         closed = {p.last_replica for p in self.waiting_in_flight()}
         replicas = engine.tiers.replicas()
-        loads = self.loads(now)
-        if loads.keys() != set(replicas):  # a replica came or went since the sum
-            self.load = None
-            loads = self.loads(now)
-        door_load = engine.config.door_load
-        spare = {r: door_load * self._room(r) - loads[r] for r in replicas if r not in closed}
-        free = {r: room for r, room in engine.free_room(now).items() if spare.get(r, 0) > 0}
+        if self.loads(now).keys() != set(replicas):  # a replica came or went since the sum
+            self.load = None  # summed afresh by `spare`
+        open_ = {r for r in replicas if r not in closed and self.spare(r, now) > 0}
+        free = {r: room for r, room in engine.free_room(now).items() if r in open_}
         moves: list[Move] = []
         for p in starts:
             if not free:
@@ -182,11 +194,45 @@ class WaitBound:
             placed = self._place_start(p, free, now)
             if placed:
                 r: str = placed[-1].dst.replica  # type: ignore[assignment]
-                spare[r] -= self._count_load(p, r, now)
-                if spare[r] <= 0:
+                self._count_load(p, r, now)
+                if self.spare(r, now) <= 0:
                     del free[r]
                 moves += placed
         return moves
+
+    def spare(self, replica: str, now: float) -> float:
+        """The busy load the door may still let in on `replica`: `door_load` x its GPU
+        room less what its programs in flight bring (`loads`), opened up to its gain while
+        the host tier holds every program of it at life size. HiCache writes each
+        program's KV through to host, so past the host's room a program parked in a tool
+        call loses its copy and recomputes on return: opened at a CPU ratio of 1 the door
+        doubled the prefilled tokens and lost 5-12 %; at 2 it gained 2-5 %."""
+        config, tiers = self.engine.config, self.engine.tiers
+        load = self.loads(now).get(replica, 0.0)  # a replica new since the sum: none yet
+        fixed = config.door_load * self._room(replica) - load
+        gain = self._gain.get(replica, 1.0)
+        if gain <= 1.0:
+            return fixed
+        host = HOST_FIT * tiers.capacity[replica].cpu_tokens - self.size.get(replica, 0.0)
+        return max(fixed, min(gain * config.door_load * self._room(replica) - load, host))
+
+    def _update_gains(self, now: float) -> None:
+        """Each replica's gain, brought up to `now`: it rises while no step in flight held
+        there has waited STRAIN_SHARE of the bound and falls fast once one has, so the
+        door stops widening as soon as returning steps queue, before the bound must swap."""
+        top = self.engine.config.door_gain_max
+        if top <= 1.0:
+            return
+        elapsed = 0.0 if self._gain_at is None else max(0.0, now - self._gain_at)
+        self._gain_at = now
+        since = now - STRAIN_SHARE * self.engine.config.max_step_wait_s
+        strained = {p.last_replica for p in self.waiting_in_flight() if p.last_active_s < since}
+        for r in self.engine.tiers.replicas():
+            gain = self._gain.get(r, 1.0)
+            if r in strained:
+                self._gain[r] = max(1.0, gain * math.exp(-elapsed / GAIN_FALL_S))
+            else:
+                self._gain[r] = min(top, gain + elapsed / GAIN_RISE_S)
 
     def _place_start(self, p: Program, free: dict[str, int], now: float) -> list[Move]:
         engine = self.engine
@@ -217,26 +263,30 @@ class WaitBound:
         engine = self.engine
         if self.load is None:
             self.load = dict.fromkeys(engine.tiers.replicas(), 0.0)
+            self.size = dict.fromkeys(self.load, 0.0)
             self._load_of = {}
             for p in engine.programs.values():
                 if p.last_replica in self.load:  # None at the door
                     self._count_load(p, p.last_replica, now)  # type: ignore[arg-type]
         return self.load
 
-    def _count_load(self, p: Program, replica: str, now: float) -> float:
-        """Count `p`'s busy share on `replica` in place of what it added before (at a step's
-        end its idleness is its cycles' without the call just begun: its usual share)."""
+    def _count_load(self, p: Program, replica: str, now: float) -> None:
+        """Count `p`'s busy share and life size on `replica` in place of what it added
+        before (at a step's end its idleness is its cycles' without the call just begun:
+        its usual share)."""
         self._uncount_load(p.program_id)
-        share = self._footprint(p) * (1.0 - p.idleness(now))
-        self._load_of[p.program_id] = (replica, share)
+        footprint = self._footprint(p)
+        share = footprint * (1.0 - p.idleness(now))
+        self._load_of[p.program_id] = (replica, share, footprint)
         if self.load is not None and replica in self.load:
             self.load[replica] += share
-        return share
+            self.size[replica] += footprint
 
     def _uncount_load(self, program_id: str) -> None:
         counted = self._load_of.pop(program_id, None)
         if counted is not None and self.load is not None and counted[0] in self.load:
             self.load[counted[0]] -= counted[1]
+            self.size[counted[0]] -= counted[2]
 
     def _room(self, replica: str) -> int:
         return max(1, self.engine.tiers.budget(Placement(Tier.GPU, replica)))
