@@ -223,10 +223,16 @@ class WaitBound:
         top = self.engine.config.door_gain_max
         if top <= 1.0:
             return
-        elapsed = 0.0 if self._gain_at is None else max(0.0, now - self._gain_at)
+        elapsed = 0.0 if self._gain_at is None else now - self._gain_at
         self._gain_at = now
+        if elapsed <= 0.0:  # a second pass at the same time: nothing to bring up
+            return
         since = now - STRAIN_SHARE * self.engine.config.max_step_wait_s
-        strained = {p.last_replica for p in self.waiting_in_flight() if p.last_active_s < since}
+        strained = set()
+        for p in self.waiting_in_flight():  # oldest first
+            if p.last_active_s >= since:
+                break
+            strained.add(p.last_replica)
         for r in self.engine.tiers.replicas():
             gain = self._gain.get(r, 1.0)
             if r in strained:
