@@ -59,6 +59,7 @@ class WaitBound:
         self._load_of: dict[str, tuple[str, float, float]] = {}  # program -> what it adds there
         self._gain: dict[str, float] = {}  # replica -> the door's opening over door_load
         self._gain_at: float | None = None  # when the gains were last brought up to date
+        self._topped = False  # every replica's gain is at `door_gain_max`
 
     @property
     def on(self) -> bool:
@@ -227,18 +228,23 @@ class WaitBound:
         self._gain_at = now
         if elapsed <= 0.0:  # a second pass at the same time: nothing to bring up
             return
-        since = now - STRAIN_SHARE * self.engine.config.max_step_wait_s
         strained = set()
-        for p in self.waiting_in_flight():  # oldest first
-            if p.last_active_s >= since:
-                break
-            strained.add(p.last_replica)
-        for r in self.engine.tiers.replicas():
-            gain = self._gain.get(r, 1.0)
+        if self._inflight_held:
+            since = now - STRAIN_SHARE * self.engine.config.max_step_wait_s
+            for p in self.waiting_in_flight():  # oldest first
+                if p.last_active_s >= since:
+                    break
+                strained.add(p.last_replica)
+        gains, replicas = self._gain, self.engine.tiers.capacity  # a drained one's too
+        if not strained and self._topped and len(gains) == len(replicas):  # none removed
+            return  # most passes under a steady load: every gain at its top, no strain
+        for r in replicas:
+            gain = gains.get(r, 1.0)
             if r in strained:
-                self._gain[r] = max(1.0, gain * math.exp(-elapsed / GAIN_FALL_S))
+                gains[r] = max(1.0, gain * math.exp(-elapsed / GAIN_FALL_S))
             else:
-                self._gain[r] = min(top, gain + elapsed / GAIN_RISE_S)
+                gains[r] = min(top, gain + elapsed / GAIN_RISE_S)
+        self._topped = all(gain >= top for gain in gains.values())
 
     def _place_start(self, p: Program, free: dict[str, int], now: float) -> list[Move]:
         engine = self.engine
