@@ -251,12 +251,12 @@ class WaitBound:
     def _strained(self, since: float) -> set[str]:
         """Replicas whose oldest held step in flight asked before `since`: one look per
         replica (the ~600 held steps of a loaded engine, read per pass, cost +9 % an
-        event). Each replica's index is cleaned as it is read, as `waiting_in_flight`."""
+        event). Each replica's index is cleaned as it is read, ended programs too."""
         programs, strained = self.engine.programs, set()
         for replica, index in self._held_on.items():
             while index:
                 p = next(iter(index.values()))
-                if p.pending and p.program_id in programs and p.last_replica == replica:
+                if p.pending and programs.get(p.program_id) is p and p.last_replica == replica:
                     if p.last_active_s < since:
                         strained.add(replica)
                     break
@@ -341,8 +341,6 @@ class WaitBound:
         """`program_id` ended: it leaves the door and the held, and its life is a sample."""
         self.door.forget(program_id)
         self._inflight_held.pop(program_id, None)
-        for index in self._held_on.values():
-            index.pop(program_id, None)
         if p is not None:
             self._observe_life(p)
         self._uncount_load(program_id)
