@@ -57,7 +57,7 @@ class WaitBound:
         self._life_context = 0.0  # mean context over a program's steps, programs that ended
         self._lives = 0  # programs that ended after a step
         self.load: dict[str, float] | None = None  # replica -> busy tokens (`loads`)
-        self.size: dict[str, float] = {}  # replica -> its programs' KV at life size (`loads`)
+        self._size: dict[str, float] = {}  # replica -> its programs' KV at life size (`loads`)
         self._load_of: dict[str, tuple[str, float, float]] = {}  # program -> what it adds there
         self._gain: dict[str, float] = {}  # replica -> the door's opening over door_load
         self._gain_at: float | None = None  # when the gains were last brought up to date
@@ -219,7 +219,7 @@ class WaitBound:
         gain = self._gain.get(replica, 1.0)
         if gain <= 1.0:
             return fixed
-        host = HOST_FIT * tiers.capacity[replica].cpu_tokens - self.size.get(replica, 0.0)
+        host = HOST_FIT * tiers.capacity[replica].cpu_tokens - self._size.get(replica, 0.0)
         return max(fixed, min(gain * config.door_load * self._room(replica) - load, host))
 
     def _update_gains(self, now: float) -> None:
@@ -292,7 +292,7 @@ class WaitBound:
         engine = self.engine
         if self.load is None:
             self.load = dict.fromkeys(engine.tiers.replicas(), 0.0)
-            self.size = dict.fromkeys(self.load, 0.0)
+            self._size = dict.fromkeys(self.load, 0.0)
             self._load_of = {}
             for p in engine.programs.values():
                 if p.last_replica in self.load:  # None at the door
@@ -309,13 +309,13 @@ class WaitBound:
         self._load_of[p.program_id] = (replica, share, footprint)
         if self.load is not None and replica in self.load:
             self.load[replica] += share
-            self.size[replica] += footprint
+            self._size[replica] += footprint
 
     def _uncount_load(self, program_id: str) -> None:
         counted = self._load_of.pop(program_id, None)
         if counted is not None and self.load is not None and counted[0] in self.load:
             self.load[counted[0]] -= counted[1]
-            self.size[counted[0]] -= counted[2]
+            self._size[counted[0]] -= counted[2]
 
     def _room(self, replica: str) -> int:
         return max(1, self.engine.tiers.budget(Placement(Tier.GPU, replica)))
