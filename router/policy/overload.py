@@ -234,7 +234,8 @@ class WaitBound:
         if elapsed <= 0.0:  # a second pass at the same time: nothing to bring up
             return
         gains, replicas = self._gain, self.engine.tiers.capacity  # a drained one's too
-        strained = self._strained(now - STRAIN_SHARE * self.engine.config.max_step_wait_s)
+        since = now - STRAIN_SHARE * self.engine.config.max_step_wait_s
+        strained = self._strained(since) if self._inflight_held else set()
         if not strained and self._topped and len(gains) == len(replicas):  # none removed
             return  # most passes under a steady load: every gain at its top, no strain
         rise, fall = elapsed / GAIN_RISE_S, math.exp(-elapsed / GAIN_FALL_S)
