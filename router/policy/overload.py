@@ -86,8 +86,10 @@ class WaitBound:
         """A step in flight joins the held ones in arrival order."""
         self._inflight_held.pop(p.program_id, None)
         self._inflight_held[p.program_id] = p
-        on = self._held_on.setdefault(p.last_replica, OrderedDict())  # type: ignore[arg-type]
+        replica: str = p.last_replica  # type: ignore[assignment]
+        on = self._held_on.setdefault(replica, OrderedDict())
         on.pop(p.program_id, None)
+        self._oldest_on(replica)  # released entries at the front go: the index stays short
         on[p.program_id] = p
 
     def closes(self, p: Program | None) -> bool:
@@ -252,17 +254,24 @@ class WaitBound:
     def _strained(self, since: float) -> set[str]:
         """Replicas whose oldest held step in flight asked before `since`: one look per
         replica (the ~600 held steps of a loaded engine, read per pass, cost +9 % an
-        event). Each replica's index is cleaned as it is read, ended programs too."""
-        programs, strained = self.engine.programs, set()
-        for replica, index in self._held_on.items():
-            while index:
-                p = next(iter(index.values()))
-                if p.pending and programs.get(p.program_id) is p and p.last_replica == replica:
-                    if p.last_active_s < since:
-                        strained.add(replica)
-                    break
-                index.popitem(last=False)
+        event)."""
+        strained = set()
+        for replica in self._held_on:
+            oldest = self._oldest_on(replica)
+            if oldest is not None and oldest.last_active_s < since:
+                strained.add(replica)
         return strained
+
+    def _oldest_on(self, replica: str) -> Program | None:
+        """The oldest held step in flight served on `replica`; released, moved and ended
+        entries drop out at the front as it is read."""
+        index, programs = self._held_on[replica], self.engine.programs
+        while index:
+            p = next(iter(index.values()))
+            if p.pending and programs.get(p.program_id) is p and p.last_replica == replica:
+                return p
+            index.popitem(last=False)
+        return None
 
     def _place_start(self, p: Program, free: dict[str, int], now: float) -> list[Move]:
         engine = self.engine
