@@ -189,7 +189,7 @@ class WaitBound:
         starts = sorted(self.door.held(), key=lambda p: -p.priority)  # stable: door order
         if not starts:
             return []
-        closed = {p.last_replica for p in self.waiting_in_flight()}
+        closed = {r for r in self._held_on if self._oldest_on(r) is not None}
         replicas = engine.tiers.replicas()
         if self.loads(now).keys() != set(replicas):  # a replica came or went since the sum
             self.load = None  # summed afresh by `spare`
@@ -215,14 +215,14 @@ class WaitBound:
         program's KV through to host, so past the host's room a program parked in a tool
         call loses its copy and recomputes on return: opened at a CPU ratio of 1 the door
         doubled the prefilled tokens and lost 5-12 %; at 2 it gained up to 4 %."""
-        config, tiers = self.engine.config, self.engine.tiers
         load = self.loads(now).get(replica, 0.0)  # a replica new since the sum: none yet
-        fixed = config.door_load * self._room(replica) - load
+        door = self.engine.config.door_load * self._room(replica)
         gain = self._gain.get(replica, 1.0)
         if gain <= 1.0:
-            return fixed
-        host = HOST_FIT * tiers.capacity[replica].cpu_tokens - self._size.get(replica, 0.0)
-        return max(fixed, min(gain * config.door_load * self._room(replica) - load, host))
+            return door - load
+        host_tokens = self.engine.tiers.capacity[replica].cpu_tokens
+        host = HOST_FIT * host_tokens - self._size.get(replica, 0.0)
+        return max(door - load, min(gain * door - load, host))
 
     def _update_gains(self, now: float) -> None:
         """Each replica's gain, brought up to `now`: it rises while no step in flight held
