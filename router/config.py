@@ -30,6 +30,7 @@ SCALED_TIMERS = (
     "hint_ack_timeout_s",
     "aging_s",
     "max_step_wait_s",
+    "round_gang_s",
     "start_hold_s",
     "predict_lead_s",
     "predict_grace_s",

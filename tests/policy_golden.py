@@ -38,6 +38,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+from router.config import RouterConfig
 from router.policy import REGISTRY, PolicyConfig, make_policy
 from router.policy.base import Policy
 from router.policy.runtime import AgentEvent, EventKind
@@ -108,10 +109,22 @@ class _Gather:
 class Driver:
     """Runs one policy on the seeded load and records every call's answer."""
 
-    def __init__(self, policy_name: str, replicas: int, **settings: Any) -> None:
+    def __init__(
+        self,
+        policy_name: str,
+        replicas: int,
+        config: PolicyConfig | None = None,
+        clock_scale: float | None = None,
+        **settings: Any,
+    ) -> None:
+        """`config` replaces CONFIG and `settings`; the policy's clock runs `clock_scale`
+        (default: the config's `time_scale`) times faster than the load (`clock`), as a
+        live router's runs at --time-scale k."""
         self.name, self.replicas = policy_name, replicas
         self.rng = random.Random(f"{SEED}-{replicas}")  # the same load for every policy
-        self.policy: Policy = make_policy(policy_name, PolicyConfig(**CONFIG | settings))
+        config = config or PolicyConfig(**CONFIG | settings)
+        self.k = config.time_scale if clock_scale is None else clock_scale
+        self.policy: Policy = make_policy(policy_name, config)
         self.heap: list[tuple[float, int, str, Any]] = []
         self.seq = count()
         self.now = 0.0
@@ -147,6 +160,11 @@ class Driver:
             self.now, _, kind, payload = heapq.heappop(self.heap)
             getattr(self, f"_on_{kind}")(payload)
         return self.lines
+
+    @property
+    def clock(self) -> float:
+        """The policy's clock: the load's time over `time_scale` (exact for a power of 2)."""
+        return self.now / self.k
 
     def _push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, payload))
@@ -201,13 +219,13 @@ class Driver:
         pid = p.pid
         if self._observe is not None:
             event = AgentEvent(
-                EventKind.REQUEST, self.now, pid, p.role, p.session, 1000, parent=p.parent,
+                EventKind.REQUEST, self.clock, pid, p.role, p.session, 1000, parent=p.parent,
                 app=p.app,
             )  # fmt: skip
             self._observe(event)
         blocks = [*p.blocks, (f"{pid}/own{p.steps_left}", 200)]
         self.policy.on_prompt(pid, _segments(blocks), p.round_id)
-        self._record("request", pid, self.policy.on_request(pid, self.now, p.tokens))
+        self._record("request", pid, self.policy.on_request(pid, self.clock, p.tokens))
         if pid not in self.gated and self.policy.route(pid) is None:
             self.gated[pid] = self.now
             self._push(self.now + GATE_TIMEOUT_S, "timeout", (pid, self.now))
@@ -224,10 +242,11 @@ class Driver:
         ttft = (self.now - forwarded) * 0.3
         cached = int(p.tokens * self.rng.random())
         host = int((p.tokens - cached) * self.rng.random())
-        self.policy.observe_step(replica, p.tokens, cached, host, ttft, out, self.now - forwarded)
+        step_s = (self.now - forwarded) / self.k
+        self.policy.observe_step(replica, p.tokens, cached, host, ttft / self.k, out, step_s)
         p.tokens += out + self.rng.randint(0, 1500)
         p.steps_left -= 1
-        self._record("response", pid, self.policy.on_response(pid, self.now, p.tokens))
+        self._record("response", pid, self.policy.on_response(pid, self.clock, p.tokens))
         if p.gather is not None:
             self._gathered(p)
         elif p.steps_left > 0:
@@ -246,9 +265,9 @@ class Driver:
     def _tool_call(self, p: _Program) -> None:
         tool, mean = self.rng.choice(TOOLS)
         duration = self.rng.expovariate(1 / mean) * (30 if self.rng.random() < 0.05 else 1)
-        hint = mean if self.rng.random() < 0.3 else None
+        hint = mean / self.k if self.rng.random() < 0.3 else None  # the client's clock
         self._record(
-            "tool_start", p.pid, self.policy.on_tool_start(p.pid, self.now, tool, p.role, hint)
+            "tool_start", p.pid, self.policy.on_tool_start(p.pid, self.clock, tool, p.role, hint)
         )
         if self.rng.random() < 0.3:
             self._push(self.now + duration, "tool_end", p.pid)
@@ -259,7 +278,7 @@ class Driver:
         assert gather is not None
         gather.answered.add(p.pid)
         self._record(
-            "tool_start", p.pid, self.policy.on_tool_start(p.pid, self.now, "gather", p.role)
+            "tool_start", p.pid, self.policy.on_tool_start(p.pid, self.clock, "gather", p.role)
         )
         alive = [a for a in gather.agents if a.pid in self.live]
         if gather.answered >= {a.pid for a in alive}:
@@ -279,7 +298,7 @@ class Driver:
 
     def _on_tool_end(self, pid: str) -> None:
         if pid in self.live:
-            self._record("tool_end", pid, self.policy.on_tool_end(pid, self.now))
+            self._record("tool_end", pid, self.policy.on_tool_end(pid, self.clock))
 
     def _on_timeout(self, payload: tuple[str, float]) -> None:
         """A request held since `arrival` gives up, and is sent again a little later."""
@@ -287,25 +306,25 @@ class Driver:
         if self.gated.get(pid) != arrival:
             return
         del self.gated[pid]
-        self._record("cancel", pid, self.policy.cancel(pid, self.now))
+        self._record("cancel", pid, self.policy.cancel(pid, self.clock))
         self._push(self.now + 2.0, "send", pid)
 
     def _end(self, p: _Program) -> None:
         self.live.pop(p.pid, None)
         self.gated.pop(p.pid, None)
         if self._observe is not None:
-            self._observe(AgentEvent(EventKind.END, self.now, p.pid))
-        self._record("end", p.pid, self.policy.end(p.pid, self.now))
+            self._observe(AgentEvent(EventKind.END, self.clock, p.pid))
+        self._record("end", p.pid, self.policy.end(p.pid, self.clock))
 
     # the shell's timers and faults ------------------------------------------------------
     def _on_tick(self, _: Any) -> None:
-        self._record("tick", None, self.policy.tick(self.now))
-        self._push(self.now + self.policy.config.tick_s, "tick", None)
+        self._record("tick", None, self.policy.tick(self.clock))
+        self._push(self.now + self.policy.config.tick_s * self.k, "tick", None)
 
     def _on_wake(self, at: float) -> None:
         if at == self.wake_at:
             self.wake_at = None
-            self._record("wake", None, self.policy.tick(self.now))
+            self._record("wake", None, self.policy.tick(self.clock))
 
     def _on_capacity(self, payload: tuple[str, float]) -> None:
         replica, share = payload
@@ -316,7 +335,7 @@ class Driver:
 
     def _on_health(self, payload: tuple[str, bool]) -> None:
         replica, healthy = payload
-        self._record("health", replica, self.policy.set_healthy(replica, healthy, self.now))
+        self._record("health", replica, self.policy.set_healthy(replica, healthy, self.clock))
 
     # recording ----------------------------------------------------------------------------
     def _record(self, kind: str, subject: str | None, moves: list[Move]) -> None:
@@ -333,8 +352,9 @@ class Driver:
             if replica is not None:
                 released[subject] = replica  # type: ignore[index]
         hints = self.policy.hint_updates()
-        actions = [_action(a) for a in self._actions(self.now)] if self._actions else []
-        wake = self._wakeup(self.now) if self._wakeup is not None else None
+        actions = [_action(a) for a in self._actions(self.clock)] if self._actions else []
+        wake = self._wakeup(self.clock) if self._wakeup is not None else None
+        wake = None if wake is None else wake * self.k  # the load's time
         line: list[Any] = [self.now, kind, subject, [_move(m) for m in moves], released]
         line += [{r: dict(h) for r, h in sorted(hints.items())}, actions, wake]
         if len(self.lines) % SNAPSHOT_EVERY == 0 and self.live:
@@ -352,7 +372,7 @@ class Driver:
         every hint, the lazy demotions in flight, the largest budget, the learnt prices."""
         policy, replicas = self.policy, sorted(self.policy.tiers.capacity)
         return {
-            "describe": policy.describe(min(self.live, key=lambda q: int(q[1:])), self.now),
+            "describe": policy.describe(min(self.live, key=lambda q: int(q[1:])), self.clock),
             "hints": {r: dict(sorted(h.items())) for r, h in sorted(policy.hints().items())},
             "lazy": [policy.pending_lazy_tokens(r) for r in replicas],
             "largest": policy.largest_gpu_budget(),
@@ -384,6 +404,19 @@ def record(policy: str, replicas: int, **settings: Any) -> list[str]:
     policy's knobs (the test that the comparison can fail)."""
     lines = Driver(policy, replicas, **settings).run()
     return [json.dumps(line, separators=(",", ":")) for line in lines]
+
+
+def record_scaled(policy: str, replicas: int, time_scale: float, **settings: Any) -> list[str]:
+    """The trace as a live router at `time_scale` (`router.config`: its timers divided)
+    answers it, its clock that much faster than the load."""
+    config = RouterConfig(replicas=["http://replica:1"], time_scale=time_scale, **CONFIG | settings)
+    return load_lines(Driver(policy, replicas, config.policy_config()))
+
+
+def load_lines(driver: Driver) -> list[str]:
+    """`driver`'s lines, every time in them in the load's seconds: the snapshots (describe,
+    learnt prices) are left out, they speak the policy's clock."""
+    return [json.dumps(line[:8], separators=(",", ":")) for line in driver.run()]
 
 
 def read_golden(policy: str, replicas: int) -> list[str]:

@@ -8,17 +8,25 @@ commit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from router.config import RouterConfig
 from router.policy import REGISTRY, make_policy
 from router.policy.base import Policy
 from router.policy.engine import MoriEngine
 from tests.policy_golden import (
+    CONFIG,
     GOLDEN,
+    REPLICAS,
+    Driver,
     first_difference,
     golden_path,
+    load_lines,
     read_golden,
     record,
+    record_scaled,
     trace_name,
     traces,
 )
@@ -82,3 +90,42 @@ def test_the_override_check_can_fail() -> None:
             return super().tick(now)
 
     assert _overridden_twice(Twice) == {"tick": ["Twice", "MoriEngine"]}
+
+
+@pytest.mark.parametrize(("policy", "replicas"), list(traces()), ids=lambda v: str(v))
+def test_a_router_running_faster_than_real_time_makes_the_same_moves(
+    policy: str, replicas: int
+) -> None:
+    """A live router at `--time-scale` k (clock k times faster, its timers divided by k:
+    `mori demo`, a fast replay) answers the load call for call as the simulator does at
+    k = 1: every duration built into a policy (cold-start tool times, the door's gain
+    rates, Tokencake's wait term, Continuum's cold TTL) is read in trace seconds. k = 4:
+    a power of 2 scales every float exactly."""
+    diff = first_difference(
+        record_scaled(policy, replicas, 1.0), record_scaled(policy, replicas, 4.0)
+    )
+    assert diff is None, f"{trace_name(policy, replicas)} at x4: {diff}"
+
+
+def test_the_door_gain_keeps_pace_with_a_fast_router() -> None:
+    """The door's gain rises and falls over trace seconds (a door bound tight enough that
+    the gain decides: door_load 0.3)."""
+    for replicas in REPLICAS:
+        plain, fast = (record_scaled("mori", replicas, k, door_load=0.3) for k in (1.0, 4.0))
+        assert first_difference(plain, fast) is None
+
+
+def test_a_policy_reading_its_fast_clock_as_trace_time_is_caught() -> None:
+    """The comparison can fail: a router whose timers are divided but whose policy takes
+    its clock for trace time (`time_scale` 1, the bug this guards) parts from the load."""
+    config = RouterConfig(replicas=["http://replica:1"], time_scale=4.0, **CONFIG)
+    blind = dataclasses.replace(config.policy_config(), time_scale=1.0)
+    fast = load_lines(Driver("mori", 1, blind, clock_scale=4.0))
+    assert first_difference(record_scaled("mori", 1, 1.0), fast) is not None
+
+
+def test_the_aging_default_is_trace_seconds_too() -> None:
+    config = RouterConfig(replicas=["http://replica:1"], time_scale=5.0).policy_config()
+    engine = make_policy("mori", config)
+    assert isinstance(engine, MoriEngine)
+    assert engine.aging_s == pytest.approx(make_policy("mori").aging_s / 5)

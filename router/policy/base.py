@@ -131,6 +131,11 @@ class PolicyConfig:
     # a round's agents are placed on one replica when they share at least this share of
     # their contexts (segments another member holds too); else one by one, as MORI would
     round_share_min: float = 0.5
+    # trace seconds per second of the policy's clock: the live router's clock is wall time
+    # and its timers come divided already (router.config.SCALED_TIMERS); the durations
+    # built into the stages (aging's default, the door's gain rates, first step and round
+    # times) are divided by this, so a router running x5 keeps the simulator's pace
+    time_scale: float = 1.0
 
 
 HINT_OF_TIER = {Tier.GPU: Hint.BUSY, Tier.CPU: Hint.IDLE, Tier.WAITING: Hint.INACTIVE}

@@ -94,9 +94,10 @@ class ContinuumPolicy(Policy):
         reload = prices.reload_s(tokens) if self.engine_mode.host_tier else None
         back = reload if reload is not None else prices.recompute_s(tokens)
         queue = sum(self.waits) / len(self.waits) if self.waits else 0.0
-        if self._seen <= K_COLD:  # Exp(1) durations, eta = 1
-            benefit = queue + back
-            return math.log(benefit) if benefit > 1.0 else 0.0
+        if self._seen <= K_COLD:  # Exp(1) durations (1 s: trace seconds), eta = 1
+            k = self.config.time_scale
+            benefit = (queue + back) * k
+            return math.log(benefit) / k if benefit > 1.0 else 0.0
         own = self._durations.get(tool, ())
         history = sorted(own if len(own) > K_COLD else self._all)
         benefit = queue * self.eta + back
@@ -126,7 +127,7 @@ class ContinuumPolicy(Policy):
             return []
         self._tool[program_id] = call.tool
         ttl = self.ttl_s(p, call.tool)
-        if ttl > MIN_TTL_S:
+        if ttl > MIN_TTL_S / self.config.time_scale:
             self.pins[program_id] = now + ttl
             return []
         return self._unpin(p, now) + self._schedule(now)

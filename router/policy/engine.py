@@ -93,7 +93,8 @@ class MoriEngine(Policy):
         self._reserve: dict[str, int] = {}
         self._reasoning: dict[str, int] = {}
         self._smallest = SmallestHeld()
-        self.step_s = DEFAULT_STEP_S  # EWMA of observed reasoning (engine) time per step
+        # EWMA of observed reasoning (engine) time per step
+        self.step_s = DEFAULT_STEP_S / self.config.time_scale
         self._next_rebalance_s = float("-inf")
         # the stages
         self.ordering: Ordering = rung.ordering(self)  # a `Ranking` where it is priced
@@ -117,7 +118,7 @@ class MoriEngine(Policy):
     def aging_s(self) -> float:
         """How long a held request waits before it goes first (0: never)."""
         configured = self.config.aging_s
-        return self.rung.aging_s if configured is None else configured
+        return self.rung.aging_s / self.config.time_scale if configured is None else configured
 
     @property
     def bounded(self) -> bool:

@@ -54,7 +54,9 @@ class Forecast:
     def __init__(self, engine: Ledger) -> None:
         self.engine = engine
         config = engine.config
-        self.predictor = DurationPredictor(config.ewma_alpha, config.hint_alpha)
+        self.predictor = DurationPredictor(
+            config.ewma_alpha, config.hint_alpha, time_scale=config.time_scale
+        )
         self.calls: dict[str, ToolCall] = {}  # program -> the tool call it is in
         self._evicted_since: dict[str, float] = {}  # held requests of programs off the GPU
         self.return_wait_s = 0.0  # EWMA of those requests' gate waits (Continuum's T)

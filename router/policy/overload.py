@@ -240,7 +240,8 @@ class WaitBound:
         strained = self._strained(since) if self._inflight_held else set()
         if not strained and self._topped and len(gains) == len(replicas):  # none removed
             return  # most passes under a steady load: every gain at its top, no strain
-        rise, fall = elapsed / GAIN_RISE_S, math.exp(-elapsed / GAIN_FALL_S)
+        trace_s = elapsed * self.engine.config.time_scale
+        rise, fall = trace_s / GAIN_RISE_S, math.exp(-trace_s / GAIN_FALL_S)
         topped = not strained
         for r in replicas:
             gain = gains.get(r, 1.0)

@@ -159,6 +159,8 @@ class DurationPredictor:
     cold-start default. Every observation updates all three levels, and a duration
     distribution per level (`remaining_s`). Keys come from clients, so at most `max_keys`
     are kept (the oldest go first): hostile tool names cannot grow the router's memory.
+    Inside, durations are trace seconds (the cold-start defaults and the distributions'
+    bins are); callers speak their clock's, `time_scale` trace seconds a second.
     """
 
     def __init__(
@@ -167,12 +169,14 @@ class DurationPredictor:
         hint_alpha: float = 0.5,
         max_samples: int = 100_000,
         max_keys: int = 4096,
+        time_scale: float = 1.0,
     ) -> None:
         if not (0.0 < ewma_alpha <= 1.0 and 0.0 <= hint_alpha <= 1.0):
             raise ValueError("ewma_alpha must be in (0, 1] and hint_alpha in [0, 1]")
         self.ewma_alpha = ewma_alpha
         self.hint_alpha = hint_alpha
         self.max_keys = max_keys
+        self.time_scale = time_scale
         self._ewma: dict[tuple[str | None, str], float] = {}
         self._dists: dict[tuple[str | None, str], DurationDistribution] = {}
         # (agent, tool) -> `_distribution`'s answer, until the next observation changes it
@@ -190,6 +194,9 @@ class DurationPredictor:
 
     def history(self, agent: str | None, tool: str) -> float:
         """t_hist: the most specific EWMA seen so far, else the kind's cold-start default."""
+        return self._history(agent, tool) / self.time_scale
+
+    def _history(self, agent: str | None, tool: str) -> float:
         for level in self._levels(agent, tool):
             if level in self._ewma:
                 return self._ewma[level]
@@ -197,18 +204,21 @@ class DurationPredictor:
 
     def predict(self, agent: str | None, tool: str, hint_s: float | None = None) -> float:
         """Predicted duration in seconds; a client hint is blended by equation 1."""
-        t_hist = self.history(agent, tool)
-        if hint_s is None or hint_s < 0:
-            return t_hist
-        return self.hint_alpha * float(hint_s) + (1.0 - self.hint_alpha) * t_hist
+        t_hist = self._history(agent, tool)
+        if hint_s is not None and hint_s >= 0:
+            t_hist = (
+                self.hint_alpha * float(hint_s) * self.time_scale + (1.0 - self.hint_alpha) * t_hist
+            )
+        return t_hist / self.time_scale
 
     def observe(
         self, agent: str | None, tool: str, actual_s: float, predicted_s: float | None = None
     ) -> None:
         """Feed one measured duration; `predicted_s` (what was forecast for it) is scored."""
-        actual_s = max(0.0, float(actual_s))
+        actual_s = max(0.0, float(actual_s)) * self.time_scale
         if predicted_s is not None:
-            self._errors[tool_kind(tool)].append((float(predicted_s), actual_s))
+            predicted_s = float(predicted_s) * self.time_scale
+            self._errors[tool_kind(tool)].append((predicted_s, actual_s))
         a = self.ewma_alpha
         for level in self._levels(agent, tool):
             old = self._ewma.get(level)
@@ -229,7 +239,9 @@ class DurationPredictor:
         distribution's mean residual life; with fewer, an exponential law of the level's
         EWMA or the cold-start mean (memoryless: the mean, whatever has elapsed)."""
         dist = self._distribution(agent, tool)
-        return self.history(agent, tool) if dist is None else dist.remaining_s(elapsed_s)
+        if dist is None:
+            return self.history(agent, tool)
+        return dist.remaining_s(elapsed_s * self.time_scale) / self.time_scale
 
     def residual_many(
         self, agent: str | None, tool: str, elapsed_s: list[float], more_s: list[float]
@@ -239,7 +251,11 @@ class DurationPredictor:
         dist = self._distribution(agent, tool)
         if dist is None:
             return [self.history(agent, tool)] * len(elapsed_s), [None] * len(elapsed_s)
-        return dist.residual_many(elapsed_s, more_s)
+        k = self.time_scale
+        if k == 1.0:  # the simulator's clock: the hot path of a tick, as it is
+            return dist.residual_many(elapsed_s, more_s)
+        idle, stays = dist.residual_many([e * k for e in elapsed_s], [m * k for m in more_s])
+        return [i / k for i in idle], stays
 
     def stays_p(
         self, agent: str | None, tool: str, elapsed_s: float, more_s: float
@@ -247,7 +263,8 @@ class DurationPredictor:
         """P(a call of `tool` that has run `elapsed_s` runs `more_s` longer), from the same
         distribution as `remaining_s`; None without one (cold start)."""
         dist = self._distribution(agent, tool)
-        return None if dist is None else dist.survival(elapsed_s, more_s)
+        k = self.time_scale
+        return None if dist is None else dist.survival(elapsed_s * k, more_s * k)
 
     def residual(
         self, agent: str | None, tool: str, elapsed_s: float, more_s: float
@@ -256,7 +273,9 @@ class DurationPredictor:
         dist = self._distribution(agent, tool)
         if dist is None:
             return self.history(agent, tool), None
-        return dist.residual(elapsed_s, more_s)
+        k = self.time_scale
+        idle, stays = dist.residual(elapsed_s * k, more_s * k)
+        return idle / k, stays
 
     def _distribution(self, agent: str | None, tool: str) -> DurationDistribution | None:
         """The most specific level's distribution with `MIN_DIST_SAMPLES` observations,

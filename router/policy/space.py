@@ -141,7 +141,8 @@ class SpaceScheduler:
         """Hybrid priority of `p`'s held request (0 for programs of no app)."""
         if self.graphs.agent_type(p.program_id) is None:
             return 0.0
-        wait = now - p.last_active_s if p.pending else 0.0
+        # Tokencake's formula reads a wait in seconds: trace seconds
+        wait = (now - p.last_active_s) * self.engine.config.time_scale if p.pending else 0.0
         return self.static(p.program_id) + dynamic_priority(wait, p.context_tokens)
 
     # the reserved pool --------------------------------------------------------------------

@@ -69,7 +69,8 @@ class Gangs:
         self._held_rounds: dict[str, _Held] = {}  # round id -> its held requests
         self.gang: dict[str, str] = {}  # program held by a round -> the round
         self._running: dict[str, tuple[float, set[str]]] = {}  # round -> (released, left)
-        self.service_s = DEFAULT_SERVICE_S  # EWMA: a round's release to its last answer
+        # EWMA: a round's release to its last answer
+        self.service_s = DEFAULT_SERVICE_S / engine.config.time_scale
         self._ended: dict[str, float] = {}  # round -> its last answer (until the next opens)
         self.gap_s = 0.0  # EWMA: a round's last answer to its agents' next round
         self._group: dict[str, str] = {}  # program -> its group (keeps shared segments)
