@@ -393,12 +393,20 @@ def _demo_policy(
         result = replay_with_progress(
             corpus, dataclasses.replace(config, endpoint=router), console, show_table=False
         )
+        _keep_metrics(router, logs)
         if keep_running:
             _hold(router, stack, console)
             return None
         return result
     finally:
         stack.stop()
+
+
+def _keep_metrics(router: str, logs: Path) -> None:
+    """The router's /metrics at the end of the run, beside its log: its own costs (tick
+    time, hint acknowledgement waits, gate waits) read after the stack is gone."""
+    with contextlib.suppress(httpx.HTTPError):
+        (logs / "router-metrics.txt").write_text(httpx.get(f"{router}/metrics", timeout=10).text)
 
 
 def _hold(router: str, stack: Stack, console: Console) -> None:

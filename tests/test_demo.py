@@ -60,6 +60,8 @@ def test_short_demo_compares_policies_interleaved_and_stops_its_servers(tmp_path
         for seed in (0, 1):
             logs = tmp_path / "logs" / policy / f"seed{seed}"
             router_log = (logs / "router.log").read_text()
+            metrics = (logs / "router-metrics.txt").read_text()  # the router's own costs
+            assert "mori_gate_wait_seconds_count" in metrics and "mori_tick_seconds" in metrics
             for name in ("replica0", "replica1"):
                 first = (logs / f"{name}.log").read_text().splitlines()[0]
                 url = first.split(" on ")[1].split()[0]

@@ -23,15 +23,16 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import quote
 
 import httpx
 import openai
 
 from router.protocol.identity import namespace
-from router.replay.apis import API_NAMES, Answer, Call, errors, sender
+from router.replay.apis import API_NAMES, Answer, Call, Send, errors, sender
 from router.replay.corpus import ClosedLoopCorpus
 from router.replay.prompts import Conversation, TokenDrift
 from router.replay.records import RunResult, StepRecord, summarize
@@ -100,6 +101,20 @@ class ReplayConfig:
         return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
+SLOTS_PER_LANE = 4  # slots whose programs share one HTTP client (see `Lane`)
+
+
+class Lane(NamedTuple):
+    """An HTTP client with its SDK client and `Send`. httpcore's pool scans its idle
+    connections once per idle connection whenever a request starts or ends, so one pool
+    for 24 slots spent a quarter of the replay client's CPU there (and on a 2-core box a
+    busy client delays the steps it times: a few slots per pool keep it small)."""
+
+    http: httpx.AsyncClient
+    api: openai.AsyncOpenAI
+    send: Send
+
+
 @dataclass
 class _Instance:
     """One replay of a trace program: its request id, task and conversation."""
@@ -109,6 +124,7 @@ class _Instance:
     parent: _Instance | None = None
     conversation: Conversation = field(init=False)
     routed: str | None = None  # the program id the router answered with (x-mori-program-id)
+    lane: Lane = field(init=False)  # the HTTP client its requests go on (its root's)
 
     @property
     def session(self) -> str:
@@ -205,19 +221,10 @@ class Replay:
         """Replay for `duration_s` wall seconds (or until `programs` programs are done, with
         nothing left in flight); `on_tick(fraction)` about once a second."""
         cfg = self.config
-        timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with (
-            httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http,
-            openai.AsyncOpenAI(
-                base_url=cfg.base_url + "/v1",
-                api_key=cfg.api_key,
-                http_client=http,
-                max_retries=0,
-            ) as api,
-            sender(cfg.api, api, cfg.api_key, cfg.request_timeout_s, self.now) as send,
-        ):
-            self.http, self.api, self.send = http, api, send
+        async with contextlib.AsyncExitStack() as lanes:
+            count = -(-cfg.concurrency // SLOTS_PER_LANE)
+            self.lanes = [await lanes.enter_async_context(self._lane()) for _ in range(count)]
+            self.http, self.api, _ = self.lanes[0]
             self.model = cfg.model or await self._first_model()
             self.labels = await self._labels()
             self._t0 = time.monotonic()
@@ -264,6 +271,21 @@ class Replay:
             extra=extra,
         )
 
+    @contextlib.asynccontextmanager
+    async def _lane(self) -> AsyncIterator[Lane]:
+        """One HTTP client and the SDK client on it, for a few slots' programs."""
+        cfg = self.config
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with (
+            httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http,
+            openai.AsyncOpenAI(
+                base_url=cfg.base_url + "/v1", api_key=cfg.api_key, http_client=http, max_retries=0
+            ) as api,
+            sender(cfg.api, api, cfg.api_key, cfg.request_timeout_s, self.now) as send,
+        ):
+            yield Lane(http, api, send)
+
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -305,6 +327,7 @@ class Replay:
     async def _program(self, program: TraceProgram, parent: _Instance | None = None) -> None:
         pid = f"{self.run_tag}-{program.program_id}.{self.corpus.next_instance()}"
         me = _Instance(pid, program, parent)
+        me.lane = parent.lane if parent is not None else self.lanes[self._claimed % len(self.lanes)]
         self.parents[pid] = parent.pid if parent is not None else None
         if program.graph and program.app not in self._apps:
             self._apps.add(program.app)  # type: ignore[arg-type]
@@ -407,7 +430,7 @@ class Replay:
         url = f"{self.config.base_url}/v1/programs/{quote(pid, safe='')}/{action}"
         headers = {**(headers or {}), **self._auth}
         with contextlib.suppress(httpx.HTTPError):
-            await self.http.post(url, json=body or {}, headers=headers, timeout=5.0)
+            await me.lane.http.post(url, json=body or {}, headers=headers, timeout=5.0)
 
     async def _step(self, me: _Instance, step: TraceStep, messages: list[dict]) -> str:
         """Send one step as the SDKs would (`router.replay.retries`: a start told to come
@@ -426,7 +449,7 @@ class Replay:
             arrival = self.now()
             answer = Answer()
             try:
-                await self.send(answer, call)
+                await me.lane.send(answer, call)
             except errors() as e:
                 self._note_routed(me, answer)
                 delay = None if answer.first is not None else self._again_in(e, tries)
