@@ -148,6 +148,8 @@ def test_bad_config_is_a_clear_error():
         SimConfig(preset="tpu")
     with pytest.raises(ValueError, match="unknown policy setting 'windw'"):
         SimConfig(policy_config={"windw": 3})
+    with pytest.raises(ValueError, match="'time_scale' .the simulator's clock is the trace's"):
+        SimConfig(policy_config={"time_scale": 5})  # a live router's setting
 
 
 def test_mori_sim_cli_writes_reports_and_rejects_bad_input(tmp_path, capsys):

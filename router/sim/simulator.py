@@ -104,10 +104,11 @@ class SimConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
-        known = {f.name for f in fields(PolicyConfig)}
+        known = {f.name for f in fields(PolicyConfig)} - {"time_scale"}  # a live clock's
         unknown = sorted(set(self.policy_config) - known)
         if unknown:
-            raise ValueError(f"unknown policy setting {unknown[0]!r}; known: {sorted(known)}")
+            hint = " (the simulator's clock is the trace's)" if unknown[0] == "time_scale" else ""
+            raise ValueError(f"unknown policy setting {unknown[0]!r}{hint}; known: {sorted(known)}")
 
 
 @dataclass(slots=True)
