@@ -39,6 +39,7 @@ log = logging.getLogger("mori.router")
 
 DEFAULT_CHARS_PER_TOKEN = 4.0
 EMA_ALPHA = 0.3
+LAG_PERIOD_S = 0.25  # the event loop's lag is sampled this often (wall seconds)
 EARLY_EVENTS = 4  # client tool events a program's running step may hold back (the newest)
 
 ToolEvent = Callable[[float], list[Move]]  # a policy call at `now` (on_tool_start, ...)
@@ -114,7 +115,7 @@ class Router:
                 self.apply(self.policy.set_healthy(replica.url, False, now))
             else:
                 self.policy.add_replica(replica.url, result)
-        loops = [self._tick_loop, self._capacity_loop, self._health_loop]
+        loops = [self._tick_loop, self._capacity_loop, self._health_loop, self._lag_loop]
         if self.policy.sends_hints:
             loops += [self._hint_loop, self._reconcile_loop]
         if self.config.standby:
@@ -370,6 +371,16 @@ class Router:
                     await result
             except Exception:  # a loop must survive anything one step throws
                 log.exception("background step %s failed", getattr(step, "__name__", step))
+
+    async def _lag_loop(self) -> None:
+        """How late the event loop runs a timer, every LAG_PERIOD_S: the gate, the ticks
+        and the door act on this loop's clock, so a lagging loop (a busy router, a slow
+        machine) holds steps longer than the policy decided."""
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + LAG_PERIOD_S
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.metrics.observe(self.metrics.loop_lag, max(0.0, loop.time() - asked))
 
     async def _tick_loop(self) -> None:
         await self._every(self.config.tick_s, self.tick)

@@ -198,6 +198,12 @@ class RouterMetrics:
             "times a replica refused this router's hint batch (another router took over)",
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "mori_event_loop_lag_seconds",
+            "how late the router's event loop ran a timer (sampled every 0.25 s)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1),
+            registry=r,
+        )
         self.tick_seconds = Histogram(
             "mori_tick_seconds",
             "time spent in one policy tick",
