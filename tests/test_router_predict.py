@@ -308,3 +308,23 @@ def test_client_gone_mid_body_leaves_no_trace(tmp_path):
         assert [p["program_id"] for p in view["data"]] == ["after"]
     text = log.read_text()
     assert "Traceback" not in text and " ERROR " not in text, text
+
+
+def test_a_fast_router_reads_tool_durations_on_the_trace_clock():
+    """At --time-scale 5 the policy's clock is wall time: a cold-start duration (30 trace
+    seconds for a long shell command) and a client's `predict_time` (100 trace seconds)
+    both reach it divided by 5, so Tokencake's blend is 0.5 * 20 + 0.5 * 6 wall seconds
+    (before, the cold start stayed 30 and the hint 100: the forecasts five times long)."""
+    with (
+        emulators(1, "--time-scale", "5") as replicas,
+        router(replicas, policy="mori", time_scale=5) as base,
+    ):
+        c = client(base)
+        call = {"name": "bash", "arguments": {"command": "pytest -x tests"}}
+        c.chat.completions.create(
+            **chat("fast-1", extra_body={"mori_tool_call": call}), tools=[BASH_TOOL]
+        )
+        assert httpx.get(base + "/v1/programs/fast-1").json()["predicted_tool_s"] == 6.0
+        hint = {"tool": "bash:pytest", "predict_time": 100}
+        httpx.post(base + "/v1/programs/fast-1/tool_start", json=hint).raise_for_status()
+        assert httpx.get(base + "/v1/programs/fast-1").json()["predicted_tool_s"] == 13.0

@@ -115,6 +115,8 @@ def create_app(
         if predict is not None and (not _number(predict) or predict < 0):
             raise ApiError(400, "`predict_time` must be a number of seconds >= 0", "predict_time")
         agent = agent_role(body.get("agent"), request_hints(request.headers, None).agent)
+        if predict is not None:  # trace seconds, as every duration the router is given
+            predict /= config.time_scale
         await known(pid)
         router.tool_event(
             pid, lambda now: router.policy.on_tool_start(pid, now, tool, agent, predict)
