@@ -118,11 +118,16 @@ async def _openai(
         extra_headers=call.headers,
     )
     _answered(answer, raw.headers)
-    async for chunk in raw.parse():
-        if chunk.choices and chunk.choices[0].delta.content:
-            answer.add(chunk.choices[0].delta.content, now())
-        if not chunk.choices or chunk.usage is not None:  # usage, sglext chunks
-            openai_usage(chunk.to_dict(), answer.usage)
+    # the SDK's stream (its SSE decoding, its errors) with each chunk left a dict: a
+    # ChatCompletionChunk model costs ~190 us to build against ~30 us, on the one loop
+    # that times every replayed agent
+    async for chunk in raw.parse(to=openai.AsyncStream[dict]):
+        choices = chunk.get("choices")
+        text = choices and (choices[0].get("delta") or {}).get("content")
+        if text:
+            answer.add(text, now())
+        if not choices or chunk.get("usage") is not None:  # usage, sglext chunks
+            openai_usage(chunk, answer.usage)
 
 
 async def _anthropic(
