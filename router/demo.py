@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+from rich.table import Table
 
 from router.policy import PolicyConfig, make_policy, policy_names
 from router.presets import get_preset, price_summary
@@ -38,11 +39,15 @@ from router.replay.records import RunResult
 from router.replay.report import console as report_console
 from router.replay.report import print_results, write_reports
 from router.replay.trace import TraceError, TraceProgram, load_trace
+from router.sim.simulator import SimConfig, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE_CANDIDATES = ("traces/generated-claude-code-32k.jsonl", "traces/generated-claude-code.jsonl")
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 FALLBACK_TRACE = ("traces/claude-code-sample.jsonl", 0.05)  # Claude-sized contexts: scale down
+# a run under this share of its simulated twin's tokens is called out (the README cell runs
+# 0.97-1.01 at x5 on a 2-vCPU box in a normal hour; 0.77 in a slow one)
+SLOW_RUN = 0.9
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -331,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
                 if result is None:  # --keep-running: the stack was held until it stopped
                     return 1
                 results.append(result)
-            _report(results, args, trace, console)
+            _report(results, args, trace, corpus, token_scale, console)
             return 0
     except KeyboardInterrupt:
         console.print("[yellow]mori demo: interrupted, shutting down[/yellow]")
@@ -402,6 +407,52 @@ def _demo_policy(
         stack.stop()
 
 
+def _twins(
+    results: list[RunResult],
+    args: argparse.Namespace,
+    corpus: list[TraceProgram],
+    token_scale: float,
+    console: Console,
+) -> list[dict]:
+    """Each run's cell in the simulator (`mori sim`: the cost model the replicas run, the
+    router inside the engine). A run well under its twin lost time to the stack's latency
+    or to a box that fell behind the compressed clock (bench/results/2026-11-29-time-scale.md),
+    not to the policy: the table says so, rather than leaving a reader to guess."""
+    twins = []
+    with console.status("simulating each run's twin"):
+        for r in results:
+            cfg = SimConfig(
+                policy=r.policy,
+                preset=_preset_flags(args)[1],
+                replicas=args.replicas,
+                concurrency=args.concurrency,
+                cpu_ratio=args.host_tokens / args.gpu_tokens,
+                duration_s=args.duration * args.time_scale,
+                token_scale=token_scale,
+                seed=r.extra.get("seed", args.seed),
+                gpu_tokens=args.gpu_tokens,
+            )
+            sim = simulate(corpus, cfg).output_tok_s
+            live = r.output_tok_s / sim if sim > 0 else 0.0
+            twins.append(
+                {"policy": r.policy, "seed": cfg.seed, "output_tok_s": sim, "live_over_sim": live}
+            )
+    table = Table(title="each run against the simulator on its cell (out tok/s)")
+    for column in ("policy", "seed", "live", "simulated", "live / sim"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for r, twin in zip(results, twins, strict=True):
+        table.add_row(r.policy, str(twin["seed"]), f"{r.output_tok_s:.1f}",
+                      f"{twin['output_tok_s']:.1f}", f"{twin['live_over_sim']:.2f}")  # fmt: skip
+    console.print(table)
+    if any(t["live_over_sim"] < SLOW_RUN for t in twins):
+        console.print(
+            f"[yellow]a run made under {SLOW_RUN:.0%} of its simulated tokens: at x"
+            f"{args.time_scale:g} the machine's latency weighs on the results (more on a "
+            "policy that gates at the router, as MORI does); --time-scale 2.5 halves it[/yellow]"
+        )
+    return twins
+
+
 def _keep_metrics(router: str, logs: Path) -> None:
     """The router's /metrics at the end of the run, beside its log: its own costs (tick
     time, hint acknowledgement waits, gate waits) read after the stack is gone."""
@@ -422,10 +473,17 @@ def _hold(router: str, stack: Stack, console: Console) -> None:
 
 
 def _report(
-    results: list[RunResult], args: argparse.Namespace, trace: Path, console: Console
+    results: list[RunResult],
+    args: argparse.Namespace,
+    trace: Path,
+    corpus: list[TraceProgram],
+    token_scale: float,
+    console: Console,
 ) -> None:
-    """The policies side by side, MORI's ratios, and the JSON/CSV/plots."""
+    """The policies side by side, MORI's ratios, each run beside its simulated twin, and
+    the JSON/CSV/plots."""
     print_results(console, results, trace.name, args.wide)  # the table adds cell and runs
+    twins = _twins(results, args, corpus, token_scale, console)
     meta = {
         "trace": str(trace),
         "reps": args.reps,
@@ -436,6 +494,7 @@ def _report(
         "replicas": args.replicas,
         "gpu_tokens": args.gpu_tokens,
         "host_tokens": args.host_tokens,
+        "simulated": twins,
     }
     plots_title = f"mori demo: {trace.name}"
     for path in write_reports(results, Path(args.out) / "demo.json", plots_title, meta):

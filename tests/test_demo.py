@@ -9,9 +9,14 @@ import subprocess
 import time
 
 import httpx
+import pytest
+from rich.console import Console
 
 from router.cli import build_parser
+from router.demo import _twins, pick_trace
+from router.replay.records import RunResult
 from router.replay.report import JSON_FIELDS, POLICY_WORDS
+from router.replay.trace import load_trace
 from tests.servers import mori
 
 
@@ -54,6 +59,14 @@ def test_short_demo_compares_policies_interleaved_and_stops_its_servers(tmp_path
     assert "TTFT s" in done.stdout and "GPU KV" in done.stdout and "churn" in done.stdout
     text = " ".join(done.stdout.split())  # titles wrap at 80 columns
     assert "mean of 2 runs" in text and "mori relative to each policy" in text
+    # each run beside the simulator on its cell, in the table and the JSON
+    assert "against the simulator on its cell" in text, done.stdout
+    twins = {(t["policy"], t["seed"]): t for t in report["meta"]["simulated"]}
+    assert set(twins) == set(runs)
+    for row in report["results"]:
+        twin = twins[(row["policy"], row["seed"])]
+        assert twin["output_tok_s"] > 0
+        assert twin["live_over_sim"] == pytest.approx(row["output_tok_s"] / twin["output_tok_s"])
     for name in ("demo.csv", "demo-throughput.png", "demo-ttft.png", "demo-ttft-p99.png"):
         assert (tmp_path / name).is_file(), name
     for policy in POLICIES:
@@ -151,3 +164,25 @@ def test_a_killed_demo_takes_its_stack_with_it(tmp_path):
     while not _no_listener(health) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _no_listener(health)
+
+
+def test_a_run_far_under_its_simulated_twin_is_called_out():
+    """A run that made under 90 % of the tokens its cell makes in the simulator is named as
+    the machine's doing (the stack's latency at a compressed clock), not left to read as
+    the policy's; one at its twin is not."""
+    args = build_parser("demo").parse_args(["demo", "--duration", "3", "--concurrency", "6"])
+    trace, token_scale = pick_trace(None, None)
+    corpus = load_trace(trace)
+
+    def run(tok_s: float) -> RunResult:
+        return RunResult(
+            "smg", 6, 2.0, tok_s, 1.0, 1, 1, 1, 1, 0.5, 0.5, 0, 0.5, 0, extra={"seed": 0}
+        )
+
+    console = Console(record=True, width=80)
+    (twin,) = _twins([run(1.0)], args, corpus, token_scale, console)
+    assert twin["output_tok_s"] > 10 and twin["live_over_sim"] < 0.9
+    assert "weighs on the results" in " ".join(console.export_text().split())
+    console = Console(record=True, width=80)
+    _twins([run(twin["output_tok_s"])], args, corpus, token_scale, console)
+    assert "weighs on the results" not in " ".join(console.export_text().split())
