@@ -106,9 +106,9 @@ SLOTS_PER_LANE = 4  # slots whose programs share one HTTP client (see `Lane`)
 
 class Lane(NamedTuple):
     """An HTTP client with its SDK client and `Send`. httpcore's pool scans its idle
-    connections once per idle connection whenever a request starts or ends, so one pool
-    for 24 slots spent a quarter of the replay client's CPU there (and on a 2-core box a
-    busy client delays the steps it times: a few slots per pool keep it small)."""
+    connections once per idle connection whenever a request starts or ends: one pool for
+    24 slots spent 13 of a demo's 53 profiled seconds there, 2 with a pool per 4 slots (on
+    a 2-core box a busy client delays the steps it times)."""
 
     http: httpx.AsyncClient
     api: openai.AsyncOpenAI
