@@ -37,7 +37,7 @@ from engine_patches.plugin import STRICT_ENV
 from engine_patches.ranking import DEFAULT_HINT, CacheTier, busy_first, victim_key
 from engine_patches.residency import ResidencyLedger
 from engine_patches.tree_plan import NodeView, load_back_plan, offload_plan
-from router.policy.types import Hint
+from router.policy.types import Hint, freeing_first
 
 log = logging.getLogger("mori.engine")
 
@@ -242,7 +242,7 @@ class MoriEngine(ABC):
         applied = self.book.apply(batch, known=self.ledger.programs())
         if not applied.stale:
             self.anchors.apply(scores, agents or {})
-        for program, hint in sorted(applied.changed.items()):
+        for program, hint in freeing_first(applied.changed):
             if hint is Hint.IDLE:
                 self.offload(program)
             elif hint is Hint.BUSY:

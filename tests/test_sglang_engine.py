@@ -149,6 +149,31 @@ def test_busy_program_is_loaded_back_and_served_from_device(server: Server):
     assert again["output_ids"] == first["output_ids"]  # the reloaded KV is the same KV
 
 
+def test_a_swap_in_one_batch_loads_back_into_the_room_its_offload_frees(server: Server):
+    """The router lets one program in and another out in one batch: the engine offloads
+    first, so the load-back fits in the rows just freed (in the batch's name order the
+    load-back would come first, find the pool full and leave the program on host)."""
+    comer, fillers = "p60", []  # "p60" sorts before every leaver
+    generate(server, comer)
+    hints(server, 30, {comer: "idle"})
+    for p in names(61, 73):  # until the device pool (256 tokens) is full of their cache
+        generate(server, p)
+        fillers.append(p)
+        res = server.residency()
+        if res["device_capacity_tokens"] - res["device_used_tokens"] < PROMPT_LEN:
+            break
+    assert res["device_capacity_tokens"] - res["device_used_tokens"] < PROMPT_LEN, res
+    assert res["programs"][comer]["host_tokens"] == PROMPT_LEN, res
+    rows = res["programs"]
+    leaver = next(
+        p for p in reversed(fillers) if rows[p]["device_tokens"] == rows[p]["host_tokens"] > 0
+    )
+    answer = hints(server, 31, {comer: "busy", leaver: "idle"})
+    assert answer["residency"][leaver] == {"device_tokens": 0, "host_tokens": PROMPT_LEN}, answer
+    full = {"device_tokens": PROMPT_LEN, "host_tokens": PROMPT_LEN}
+    assert answer["residency"][comer] == full, answer
+
+
 def test_residency_agrees_with_cached_tokens_details(server: Server):
     """For programs in every state, the next request's device/host hit equals what
     /mori/residency said just before (one token is always recomputed)."""

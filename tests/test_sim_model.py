@@ -204,6 +204,20 @@ def test_busy_hint_loads_back_and_its_tokens_count_as_device_hits():
     assert first.t >= t + 2 + engine.cost.load_s(20_010)
 
 
+def test_a_swap_loads_back_into_the_room_its_offload_frees():
+    """One batch lets "in" onto the device and "out" off it. The engine offloads first, so
+    the load-back finds the room and "in"'s next request hits device; in the batch's own
+    order ("in" first) the load-back would fail on a full device and load with the request."""
+    engine = ReplicaEngine(PRESET, TYPED, 50_000, 100_000)
+    t = _fill(engine, ["in", "out"])
+    engine.apply_hints({"in": Hint.IDLE}, t + 1)
+    run_step(engine, "x", "third", 25_000, t + 2)  # 45_020 of 50_000 device tokens held
+    assert engine.residency("in") == (0, 20_010)
+    engine.apply_hints({"in": Hint.BUSY, "out": Hint.IDLE}, t + 10)
+    assert engine.residency("out") == (0, 20_010)
+    assert engine.residency("in") == (20_010, 20_010)
+
+
 def test_generated_streams_and_abort_frees_the_lock():
     engine = ReplicaEngine(PRESET, TYPED, 100_000, 0)
     engine.submit("r", "p", 1_000, 1_000, 0.0)

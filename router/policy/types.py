@@ -6,6 +6,7 @@ router, the simulator and the tests without any I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -37,6 +38,16 @@ class Hint(StrEnum):
     BUSY = "busy"  # GPU tier: keep on device, load back from host
     IDLE = "idle"  # CPU tier: drop the device copy, keep the host copy
     INACTIVE = "inactive"  # WAITING or ended: first to go on both tiers
+
+
+def freeing_first(hints: Mapping[str, str]) -> list[tuple[str, Hint]]:
+    """A batch's hints in the order an engine applies them: the busy ones last, so that a
+    swap's load-back (the program let in) finds the device room its offload (the program
+    let out) just freed, instead of failing for want of it and loading with the request;
+    by program id within each group, the same order on every tensor-parallel rank."""
+    return sorted(
+        ((p, Hint(h)) for p, h in hints.items()), key=lambda ph: (ph[1] is Hint.BUSY, ph[0])
+    )
 
 
 class MoveReason(StrEnum):

@@ -46,7 +46,8 @@ the stale tail at once (SGLang keeps it as an evictable branch no one reuses).
   the device copy of the program's own segments if they are backed up (a device-only suffix
   or a shared segment pins them, as in the patch), `busy` loads host tokens back to device
   ahead of the next request (costing PCIe time; into free room only, all or nothing, as
-  the patch does: what does not fit loads with the request), `inactive` only ranks the
+  the patch does: what does not fit loads with the request; a batch's offloads go
+  first, so a swap's load-back finds the room just freed), `inactive` only ranks the
   program first to go.
   Busy-typed requests are admitted before others, by the space scheduler's program
   priority when it pushes one (higher first).
@@ -83,7 +84,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from router.policy.types import EngineMode, Hint
+from router.policy.types import EngineMode, Hint, freeing_first
 from router.presets import Preset
 from router.sim.kv_tree import RANK, KVTree, Node, SharedPrefix
 
@@ -357,8 +358,8 @@ class ReplicaEngine:
             if full:
                 for pid in [p for p in self.tree.entries if p not in hints]:
                     self.tree.set_hint(pid, Hint.INACTIVE)
-            for pid, hint in hints.items():
-                self._apply_hint(pid, Hint(hint), now)
+            for pid, hint in freeing_first(hints):
+                self._apply_hint(pid, hint, now)
             self._interrupt(now)
             self._kick(now)
         return {pid: self.residency(pid) for pid in hints}
