@@ -419,11 +419,12 @@ def _twins(
     or to a box that fell behind the compressed clock (bench/results/2026-11-29-time-scale.md),
     not to the policy: the table says so, rather than leaving a reader to guess."""
     twins = []
+    preset = _preset_flags(args)[1]  # a preset's name or file: SimConfig takes either
     with console.status("simulating each run's twin"):
         for r in results:
             cfg = SimConfig(
                 policy=r.policy,
-                preset=_preset_flags(args)[1],
+                preset=preset,
                 replicas=args.replicas,
                 concurrency=args.concurrency,
                 cpu_ratio=args.host_tokens / args.gpu_tokens,
