@@ -264,20 +264,23 @@ def test_the_door_opens_wider_while_steps_run_unheld_and_the_host_holds_every_pr
     assert early.route("d") is None
 
 
+def calm_until_200(**cfg) -> MoriEngine:
+    """`a` (600 tokens) ran a step and was parked off the GPU, `x` (500) is in a tool call
+    on it; ticks every 10 s until 190 with no step held: the door's gain has grown."""
+    policy = make(gpu=1000, cpu=100_000, door_load=5.0, **cfg)
+    run_step(policy, "a", 0.0, 600)
+    policy.move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
+    run_step(policy, "x", 2.0, 500)
+    policy.on_tool_start("x", 3.0, "pytest")
+    for t in range(10, 200, 10):
+        policy.tick(float(t))
+    return policy
+
+
 def test_a_held_step_in_flight_closes_the_wider_door_again():
     """The gain grown over 200 s of calm falls back towards 1 while a step in flight is
     held on the replica: the door is then as wide as with the gain off."""
-
-    def held_from_200(**cfg) -> MoriEngine:
-        policy = make(gpu=1000, cpu=100_000, door_load=5.0, **cfg)
-        run_step(policy, "a", 0.0, 600)
-        policy.move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
-        run_step(policy, "x", 2.0, 500)
-        policy.on_tool_start("x", 3.0, "pytest")
-        for t in range(10, 200, 10):
-            policy.tick(float(t))
-        return policy
-
+    held_from_200 = calm_until_200
     gained, fixed = held_from_200(), held_from_200(door_gain_max=1.0)
     assert gained.wait_bound.spare("r0", 199.0) > fixed.wait_bound.spare("r0", 199.0) + 300
     for policy in (gained, fixed):
@@ -288,3 +291,25 @@ def test_a_held_step_in_flight_closes_the_wider_door_again():
         assert policy.route("a") is None
     gap = gained.wait_bound.spare("r0", 228.0) - fixed.wait_bound.spare("r0", 228.0)
     assert 0.0 <= gap < 10.0
+
+
+def test_a_step_in_flight_held_under_a_second_strains_the_door():
+    """The strain mark is 0.5 % of the bound (0.3 s of this module's 60): a step in flight
+    held 0.45 s already brings the gain down (at 1 %, 0.6 s, it still rose; the two-replica
+    32k cell's in-flight p99 then passed smg's: bench/results/2026-12-02-strain.md). The
+    door's width over its twin with the gain off is what the gain adds; every tick a full
+    pass."""
+    gained, fixed = calm_until_200(tick_s=0.1), calm_until_200(tick_s=0.1, door_gain_max=1.0)
+
+    def gain_adds(t: float) -> float:
+        for policy in (gained, fixed):
+            policy.tick(t)
+            assert policy.route("a") is None
+        return gained.wait_bound.spare("r0", t) - fixed.wait_bound.spare("r0", t)
+
+    for policy in (gained, fixed):
+        policy.on_request("a", 200.0, 600)  # 500 free: held
+    held = gain_adds(200.0)
+    calm = gain_adds(200.2)  # held 0.2 s: no strain yet, the gain rises
+    assert calm > held
+    assert gain_adds(200.45) < calm  # held 0.45 s: strained, the gain falls

@@ -31,9 +31,10 @@ GROWTH_PRIOR = 3.0
 LIFE_SAMPLES = 5  # ... this many programs ended and their own mean is known
 LIFE_ALPHA = 0.05  # weight of the newest ended program in the mean context of a life
 # the door's gain (`door_gain_max`; bench/results/2026-11-29-door-gain.md): a held step in
-# flight that waited this share of the bound strains its replica (1.2 s of 120: at 2.4 s
-# the 2-replica 32k cell's in-flight p99 passed smg's)
-STRAIN_SHARE = 0.01
+# flight that waited this share of the bound strains its replica (0.6 s of 120: at 1.2 s,
+# once a swap's hints were applied freeing first, the 2-replica 32k cell's in-flight p99
+# passed smg's again, 40.0 s against 36.1; bench/results/2026-12-02-strain.md)
+STRAIN_SHARE = 0.005
 GAIN_RISE_S = 300.0  # ... the gain rises by 1 over this much calm (trace seconds)
 GAIN_FALL_S = 5.0  # ... and falls e-fold over this much strain
 # ... and opens past door_load only while the replica's programs at life size fit this
