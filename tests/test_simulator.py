@@ -150,6 +150,18 @@ def test_bad_config_is_a_clear_error():
         SimConfig(policy_config={"windw": 3})
     with pytest.raises(ValueError, match="'time_scale' .the simulator's clock is the trace's"):
         SimConfig(policy_config={"time_scale": 5})  # a live router's setting
+    # a value of the wrong kind or range names its knob (a window of 2.5 crashed in a
+    # worker's first step; a tick of -1 left the clock standing: a hang)
+    with pytest.raises(ValueError, match=r"window=2\.5: .*valid integer"):
+        SimConfig(policy_config={"window": 2.5})
+    with pytest.raises(ValueError, match="lease_s='soon': .*valid number"):
+        SimConfig(policy_config={"lease_s": "soon"})
+    with pytest.raises(ValueError, match="tick_s must be a number > 0, got -1"):
+        SimConfig(policy_config={"tick_s": -1})
+    assert SimConfig(policy_config={"aging_s": 60, "window": 8.0}).policy_config == {
+        "aging_s": 60.0,
+        "window": 8,
+    }
 
 
 def test_mori_sim_cli_writes_reports_and_rejects_bad_input(tmp_path, capsys):
@@ -181,6 +193,12 @@ def test_mori_sim_cli_writes_reports_and_rejects_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sim", str(scenario), "--policies", "mori,nope"])
     assert "unknown policy 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", str(scenario), "--set", "window=2.5"])
+    assert "--set window=2.5: Input should be a valid integer" in capsys.readouterr().err
+    scenario.write_text("preset: h100-8b\nduration_s: 60\npolicy: {tick_s: 0}\n")
+    assert main(argv) == 2  # a scenario's knobs are checked as --set's are
+    assert "tick_s must be a number > 0, got 0" in capsys.readouterr().out
 
 
 def test_hand_overs_start_steps_when_the_steps_they_wait_for_end(test_policies):

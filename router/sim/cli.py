@@ -22,7 +22,7 @@ from router.presets import PRESETS, get_preset, price_summary
 from router.replay.records import RunResult
 from router.replay.trace import TraceError, TraceProgram, load_trace
 from router.sim.approx import ApproxReuse
-from router.sim.simulator import SimConfig, simulate
+from router.sim.simulator import SimConfig, policy_knob, simulate
 
 
 @dataclass
@@ -101,7 +101,10 @@ def _setting(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(
             f"--set takes KNOB=VALUE with KNOB one of: {', '.join(sorted(known))}"
         )
-    return name.strip(), yaml.safe_load(raw)
+    try:
+        return name.strip(), policy_knob(name.strip(), yaml.safe_load(raw))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--set {e}") from None
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -213,7 +216,6 @@ def _build(args) -> tuple[Scenario, list[SimConfig]]:
         )
         for ratio, conc, policy in itertools.product(sc.cpu_ratio, sc.concurrency, sc.policies)
     ]
-    PolicyConfig(**sc.policy)  # a bad override fails here, not in a worker
     return sc, configs
 
 

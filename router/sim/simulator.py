@@ -31,8 +31,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from functools import partial
+from functools import cache, partial
 from statistics import fmean
+from typing import get_type_hints
+
+from pydantic import TypeAdapter, ValidationError
 
 from kernels.costs import restore_cost
 from router.policy import Policy, PolicyConfig, make_policy
@@ -52,6 +55,27 @@ def prefill_s_per_token(preset: Preset) -> float:
     """The recompute price a policy starts from (then it learns the engine's): one token's
     prefill at no context."""
     return CostModel(preset).prefill_s(1, 0)
+
+
+@cache
+def _knob_types() -> dict[str, object]:
+    return get_type_hints(PolicyConfig)
+
+
+def policy_knob(name: str, value: object) -> object:
+    """`value` as PolicyConfig's field `name` takes it (60 for a float is 60.0), or a
+    ValueError that names the knob: the dataclass checks no types, and a wrong one (a
+    fractional window, a word for a price) crashed inside a worker's first step."""
+    hints = _knob_types()
+    if name not in hints:
+        raise ValueError(f"unknown policy knob {name!r}; known: {', '.join(sorted(hints))}")
+    try:
+        return TypeAdapter(hints[name]).validate_python(value)
+    except ValidationError as e:
+        problem, kind = e.errors()[0]["msg"], hints[name]
+        raise ValueError(
+            f"{name}={value!r}: {problem} ({getattr(kind, '__name__', kind)})"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -109,6 +133,9 @@ class SimConfig:
         if unknown:
             hint = " (the simulator's clock is the trace's)" if unknown[0] == "time_scale" else ""
             raise ValueError(f"unknown policy setting {unknown[0]!r}{hint}; known: {sorted(known)}")
+        settings = {k: policy_knob(k, v) for k, v in self.policy_config.items()}
+        PolicyConfig(**settings)  # its ranges, here rather than in a worker's first step
+        object.__setattr__(self, "policy_config", settings)
 
 
 @dataclass(slots=True)
