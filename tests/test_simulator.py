@@ -156,7 +156,7 @@ def test_bad_config_is_a_clear_error():
         SimConfig(policy_config={"window": 2.5})
     with pytest.raises(ValueError, match="lease_s='soon': .*valid number"):
         SimConfig(policy_config={"lease_s": "soon"})
-    with pytest.raises(ValueError, match="tick_s must be a number > 0, got -1"):
+    with pytest.raises(ValueError, match="tick_s must be > 0 in the simulator, got -1"):
         SimConfig(policy_config={"tick_s": -1})
     assert SimConfig(policy_config={"aging_s": 60, "window": 8.0}).policy_config == {
         "aging_s": 60.0,
@@ -198,7 +198,7 @@ def test_mori_sim_cli_writes_reports_and_rejects_bad_input(tmp_path, capsys):
     assert "--set window=2.5: Input should be a valid integer" in capsys.readouterr().err
     scenario.write_text("preset: h100-8b\nduration_s: 60\npolicy: {tick_s: 0}\n")
     assert main(argv) == 2  # a scenario's knobs are checked as --set's are
-    assert "tick_s must be a number > 0, got 0" in capsys.readouterr().out
+    assert "tick_s must be > 0 in the simulator, got 0" in capsys.readouterr().out
 
 
 def test_hand_overs_start_steps_when_the_steps_they_wait_for_end(test_policies):

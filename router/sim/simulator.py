@@ -134,7 +134,17 @@ class SimConfig:
             hint = " (the simulator's clock is the trace's)" if unknown[0] == "time_scale" else ""
             raise ValueError(f"unknown policy setting {unknown[0]!r}{hint}; known: {sorted(known)}")
         settings = {k: policy_knob(k, v) for k, v in self.policy_config.items()}
-        PolicyConfig(**settings)  # its ranges, here rather than in a worker's first step
+        policy = PolicyConfig(**settings)
+        # the simulator's clock ticks every tick_s and ends silent programs after lease_s:
+        # at 0 or less it stood still (a hang, not an error); a driver of the policy itself
+        # may tick at 0 (every call a full rebalance)
+        for name in ("tick_s", "lease_s"):
+            if not getattr(policy, name) > 0:
+                raise ValueError(
+                    f"{name} must be > 0 in the simulator, got {getattr(policy, name)}"
+                )
+        if policy.window < 1:
+            raise ValueError(f"window must be >= 1 cycle, got {policy.window}")
         object.__setattr__(self, "policy_config", settings)
 
 
