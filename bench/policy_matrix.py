@@ -310,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         for p in args.policies
         for variant in (variants if p == "mori" else [()])
     ]
+    for variant in dict.fromkeys(run.settings for run in runs):  # here, not in a worker
+        try:
+            SimConfig(policy_config=dict(variant))
+        except ValueError as e:
+            parser.error(str(e))
     labels = list(dict.fromkeys(run.label for run in runs))
     results: list[tuple[Run, dict[str, float]]] = []
     with Progress(transient=True) as progress, ProcessPoolExecutor(args.jobs) as pool:

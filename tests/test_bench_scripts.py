@@ -123,3 +123,17 @@ def test_policy_matrix_compare_passes_on_the_same_figures_and_names_a_moved_one(
     before.write_text(json.dumps(rows))
     moved = matrix("--compare", str(before))
     assert moved.returncode == 1 and "output_tok_s" in moved.stdout and "1 differ" in moved.stdout
+
+
+def test_policy_matrix_refuses_a_bad_knob_before_it_simulates() -> None:
+    """A knob value of the wrong kind or range is a usage error naming it (exit 2), not a
+    worker's traceback after the pool started (or a simulator clock that never moves)."""
+    cell = ["--duration", "60", "--programs", "10", "--seeds", "0", "--policies", "mori"]
+    cell += ["--corpora", "generated", "--cpu-ratio", "1", "--jobs", "1"]
+    for extra, said in (
+        (["--set", "window=2.5"], "window=2.5: Input should be a valid integer"),
+        (["--sweep", "tick_s=0,5"], "tick_s must be > 0 in the simulator, got 0.0"),
+    ):
+        argv = [sys.executable, "bench/policy_matrix.py", *cell, *extra]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
