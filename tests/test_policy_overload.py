@@ -280,8 +280,7 @@ def calm_until_200(**cfg) -> MoriEngine:
 def test_a_held_step_in_flight_closes_the_wider_door_again():
     """The gain grown over 200 s of calm falls back towards 1 while a step in flight is
     held on the replica: the door is then as wide as with the gain off."""
-    held_from_200 = calm_until_200
-    gained, fixed = held_from_200(), held_from_200(door_gain_max=1.0)
+    gained, fixed = calm_until_200(), calm_until_200(door_gain_max=1.0)
     assert gained.wait_bound.spare("r0", 199.0) > fixed.wait_bound.spare("r0", 199.0) + 300
     for policy in (gained, fixed):
         policy.on_request("a", 200.0, 600)  # 500 free: held until urgent at 230

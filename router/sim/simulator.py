@@ -58,21 +58,21 @@ def prefill_s_per_token(preset: Preset) -> float:
 
 
 @cache
-def _knob_types() -> dict[str, object]:
-    return get_type_hints(PolicyConfig)
+def _knob_adapters() -> dict[str, tuple[TypeAdapter, object]]:
+    """One validator per PolicyConfig field, built once (a matrix builds a SimConfig a run)."""
+    return {name: (TypeAdapter(kind), kind) for name, kind in get_type_hints(PolicyConfig).items()}
 
 
 def policy_knob(name: str, value: object) -> object:
-    """`value` as PolicyConfig's field `name` takes it (60 for a float is 60.0), or a
-    ValueError that names the knob: the dataclass checks no types, and a wrong one (a
-    fractional window, a word for a price) crashed inside a worker's first step."""
-    hints = _knob_types()
-    if name not in hints:
-        raise ValueError(f"unknown policy knob {name!r}; known: {', '.join(sorted(hints))}")
+    """`value` as PolicyConfig's field `name` (a known one: the callers check names first)
+    takes it (60 for a float is 60.0), or a ValueError that names the knob: the dataclass
+    checks no types, and a wrong one (a fractional window, a word for a price) crashed
+    inside a worker's first step."""
+    adapter, kind = _knob_adapters()[name]
     try:
-        return TypeAdapter(hints[name]).validate_python(value)
+        return adapter.validate_python(value)
     except ValidationError as e:
-        problem, kind = e.errors()[0]["msg"], hints[name]
+        problem = e.errors()[0]["msg"]
         raise ValueError(
             f"{name}={value!r}: {problem} ({getattr(kind, '__name__', kind)})"
         ) from None
