@@ -206,7 +206,7 @@ class CacheSage(RuntimeComponent):
                     actions.append(PushScores(replica, dict(scores), mine))
             self._pushed = dict(scores)
         warms, self._warms = self._warms, []
-        return actions + warms
+        return [*actions, *warms]
 
     def _located_agents(self) -> dict[str, dict[str, str]]:
         """Replica -> {program: agent} for identified programs now placed somewhere."""
@@ -303,7 +303,7 @@ class HandOver:
                 continue
             if session in waiting:
                 after = cs.odds_after(waiting[session], cs.agent_of.get(pid))
-                o = 0.0 if after is None else after
+                o: float | None = 0.0 if after is None else after
             else:
                 o = cs.turn_odds(pid)
             if o is not None and o < ODDS_MAX and p.demote_after_step is None:

@@ -236,7 +236,7 @@ class HeldQueue:
         """The first `k` held requests still waiting; `rank_now()`: the rank to push again
         an entry whose program moved between classes."""
         out: list[tuple[tuple, int, Program, float]] = []
-        rank = None
+        rank: Callable[[Program], tuple] | None = None
         while self._heap and len(out) < k:
             entry = heapq.heappop(self._heap)
             p = entry[2]
@@ -338,7 +338,7 @@ class PricedPool:
         """`q` went ACTING on its GPU tier: it joins the replica's pools where it pays."""
         replica: str = q.placement.replica  # type: ignore[assignment]
         forecast = self._engine.forecast
-        room = None
+        room: int | None = None
         for kind in (RELOAD, FRESH):
             pool = self._pools.get((replica, kind))
             if pool is None:
@@ -363,7 +363,8 @@ class PricedPool:
         partial move would be churn for nothing)."""
         if needed <= 0:
             return []
-        gpu, chosen, freed = Placement(Tier.GPU, replica), [], 0
+        gpu, freed = Placement(Tier.GPU, replica), 0
+        chosen: list[Program] = []
         pool = self._pool(replica, kind, now)
         stale = 0
         tiers = self._engine.tiers

@@ -127,13 +127,14 @@ class Forecast:
             else:
                 calls[call.agent, call.tool].append(i)
                 elapsed.append(now - call.start_s)
-        idle, stays = [0.0] * len(programs), [None] * len(programs)
+        idle: list[float] = [0.0] * len(programs)
+        stays: list[float | None] = [None] * len(programs)
         for (agent, tool), at in calls.items():
             got = self.predictor.residual_many(
                 agent, tool, [elapsed[i] for i in at], [more_s[i] for i in at]
             )
-            for i, left, p in zip(at, *got, strict=True):
-                idle[i], stays[i] = left, p
+            for i, left, stay in zip(at, *got, strict=True):
+                idle[i], stays[i] = left, stay
         return idle, stays
 
     def _current_call(self, p: Program, now: float) -> tuple[str | None, str, float]:

@@ -64,7 +64,7 @@ class Rung:
         return MoriEngine(self, config)
 
 
-_PRICED = {"waiver": None, "timed": None, "wait_bound": None}  # no time scheduler
+_PRICED: dict[str, Any] = {"waiver": None, "timed": None, "wait_bound": None}  # no time scheduler
 
 MORI_PAPER = Rung(
     "mori-paper",

@@ -23,10 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
 
 MIN_SAMPLE_TOKENS = 256  # shorter prefills and loads are dominated by fixed overheads
 PRICE_QUANTILE = 0.2
 PRICE_STEP = 0.1  # multiplicative learning rate of the quantile trackers
+# a token count, or a numpy array of them: the prices are element-wise arithmetic, and a
+# victim pool prices a replica's programs in tool calls at once
+Tokens = TypeVar("Tokens", float, NDArray[np.float64])
 
 
 @dataclass(slots=True)
@@ -68,20 +75,19 @@ class ReplicaPrices:
             attention_tokens,
         )
 
-    def growth(self, new: int, prefix: int) -> float:
+    def growth(self, new: Tokens, prefix: float) -> Tokens:
         """How much more a token of this prefill costs than one at no context."""
         return 1.0 + (prefix + new / 2) / self.attention_tokens
 
-    def prefill_s(self, new: int, prefix: int = 0) -> float:
+    def prefill_s(self, new: Tokens, prefix: float = 0) -> Tokens:
         """Seconds to prefill `new` tokens on top of `prefix` cached ones."""
         return new * self.prefill.value * self.growth(new, prefix)
 
-    def recompute_s(self, tokens: int) -> float:
-        """Seconds to prefill a whole context of `tokens` again (this and `reload_s` are
-        plain arithmetic: a victim pool passes a numpy array of contexts)."""
+    def recompute_s(self, tokens: Tokens) -> Tokens:
+        """Seconds to prefill a whole context of `tokens` again."""
         return self.prefill_s(tokens)
 
-    def reload_s(self, tokens: int) -> float:
+    def reload_s(self, tokens: Tokens) -> Tokens:
         return tokens * self.load.value
 
     def observe(

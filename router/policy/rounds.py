@@ -70,9 +70,9 @@ class Rounds:
                 return None
             rnd = self._inferred(fresh, now)
         else:
-            rnd = self.rounds.get(round_id)
-            if rnd is None:
-                rnd = self.rounds[round_id] = Round(round_id, True, now)
+            named = self.rounds.get(round_id)
+            rnd = named if named is not None else Round(round_id, True, now)
+            self.rounds[round_id] = rnd
         if self.current.get(program_id) != rnd.round_id:
             self._move(program_id, rnd)
         rnd.members[program_id] = None

@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
-from router.policy.base import HINT_OF_TIER, Policy
+from router.policy.base import HINT_OF_TIER
+from router.policy.program import Program
 from router.policy.types import Hint
 
 
@@ -153,6 +154,14 @@ class AgentRuntime:
 KEEP_RANK = {Hint.INACTIVE: 0.0, Hint.IDLE: 1.0, Hint.BUSY: 2.0}
 
 
+class HasPrograms(Protocol):
+    """What `TypedHints` reads of a policy: its programs (a policy, or an engine as its
+    stages see it)."""
+
+    @property
+    def programs(self) -> Mapping[str, Program]: ...
+
+
 class TypedHints(RuntimeComponent):
     """MORI's typed hints as scores: a program's keep rank is its tier's type (inactive 0,
     idle 1, busy 2), the first key of the engine's eviction order. The hints themselves
@@ -160,7 +169,7 @@ class TypedHints(RuntimeComponent):
 
     name = "typed_hints"
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: HasPrograms) -> None:
         self.policy = policy
 
     def score(self, item: Item) -> float | None:

@@ -77,7 +77,7 @@ class Gangs:
         self._group_on: dict[str, str] = {}  # program -> the replica its group was pushed to
         self._scores_due: set[str] = set()  # replicas whose group scores changed
         self._agents_due: dict[str, dict[str, str]] = {}  # replica -> program -> group
-        self.collective = Counter()  # what the collective pass did, for reports
+        self.collective: Counter[str] = Counter()  # what the collective pass did, for reports
 
     # events ------------------------------------------------------------------------------
     def admit(self, p: Program, now: float) -> list[Move]:
@@ -317,11 +317,11 @@ class Gangs:
         """The replica for `members` of a round placed together: the one holding most of
         the round (`whole`: its KV, its members already placed) if they fit there, else the
         tightest fit, else the roomiest."""
-        home = Counter(
-            p.placement.replica or p.last_replica
-            for p in whole
-            if (p.placement.replica or p.last_replica) in replicas
-        )
+        home: Counter[str] = Counter()
+        for p in whole:
+            where = p.placement.replica or p.last_replica
+            if where is not None and where in replicas:
+                home[where] += 1
         needs = {r: _need(members, r, self.engine) for r in replicas}
         if home:
             top = home.most_common(1)[0][0]

@@ -115,7 +115,7 @@ class TransitionLearner:
 
     def _predict(self, a: str, b: str, k: int) -> None:
         """Score the forecast of `a -> b` made before counting it (add-one over k agents)."""
-        row = self.rows.get(a, {})
+        row: dict[str, int] = self.rows.get(a, {})
         cond = (row.get(b, 0) + 1) / (self.out[a] + k)
         marg = (self.nexts.get(b, 0) + 1) / (len(self.pairs) + k)
         loss = (-math.log2(cond), -math.log2(marg))
