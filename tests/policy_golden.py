@@ -111,20 +111,22 @@ class Driver:
 
     def __init__(
         self,
-        policy_name: str,
+        policy_name: str | Callable[[PolicyConfig], Policy],
         replicas: int,
         config: PolicyConfig | None = None,
         clock_scale: float | None = None,
         **settings: Any,
     ) -> None:
-        """`config` replaces CONFIG and `settings`; the policy's clock runs `clock_scale`
+        """`policy_name`: a registered policy, or what builds one from its config (a row of
+        the ladder). `config` replaces CONFIG and `settings`; the policy's clock runs `clock_scale`
         (default: the config's `time_scale`) times faster than the load (`clock`), as a
         live router's runs at --time-scale k."""
         self.name, self.replicas = policy_name, replicas
         self.rng = random.Random(f"{SEED}-{replicas}")  # the same load for every policy
         config = config or PolicyConfig(**CONFIG | settings)
         self.k = config.time_scale if clock_scale is None else clock_scale
-        self.policy: Policy = make_policy(policy_name, config)
+        named = isinstance(policy_name, str)
+        self.policy: Policy = make_policy(policy_name, config) if named else policy_name(config)
         self.heap: list[tuple[float, int, str, Any]] = []
         self.seq = count()
         self.now = 0.0

@@ -11,7 +11,8 @@
 | `mori+tokendance` | activity density | home first | yes | yes | yes | - (rounds) | gangs |
 
 Every rung keeps the paper's passes (`router.policy.engine`); the stages are described in
-their own files. TokenDance's rounds are their own valve (a round's agents are let in
+their own files. What a stage reads of the others is declared beside the rows (`NEEDS`,
+`OFFERS`), and a row that leaves a need out is refused when it is written. TokenDance's rounds are their own valve (a round's agents are let in
 together, and a round that waited long makes others yield at round boundaries), so the
 wait bound and the door are not applied on top.
 """
@@ -19,7 +20,7 @@ wait bound and the door are not applied on top.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from router.policy.base import PolicyConfig
@@ -42,6 +43,27 @@ def _hybrid(engine: MoriEngine) -> HybridPriority:
     return HybridPriority(engine, ActivityDensity(engine))
 
 
+# What a stage reads of the engine's other stages (a field of the rung), or of one of them
+# ("field:ability"): a row that leaves a need out is refused when it is written, not an
+# AttributeError inside some pass of a run.
+NEEDS: dict[Stage, tuple[str, ...]] = {
+    HomeFirst: ("forecast",),  # a recompute elsewhere, priced by the forecast
+    PricedDisplacement: ("forecast", "ordering:rank"),  # victims priced; held ranked at once
+    BandWaiver: ("forecast",),  # expected idle time of programs in tool calls
+    TimeScheduler: ("forecast",),  # the tool calls it offloads and promotes ahead of
+    WaitBound: ("forecast", "priced", "timed", "placement:spread"),  # urgent victims, starts
+    SpaceScheduler: ("forecast",),
+    Gangs: ("forecast",),
+    _hybrid: ("space",),  # an app's hybrid priority
+}
+# The abilities beyond its Protocol a stage offers the others (`NEEDS`' "field:ability").
+OFFERS: dict[Stage, tuple[str, ...]] = {
+    ActivityDensity: ("rank",),  # a `Ranking`
+    _hybrid: ("rank",),
+    HomeFirst: ("spread",),  # new programs where the fewest run
+}
+
+
 @dataclass(frozen=True)
 class Rung:
     """One MORI policy: its name and the stages the engine runs for it (None: not this
@@ -60,8 +82,29 @@ class Rung:
     handover: Stage | None = None
     gangs: Stage | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse a row whose stages need one it leaves out (`NEEDS`)."""
+        stages = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_STAGES}
+        for field, stage in stages.items():
+            for need in NEEDS.get(stage, ()) if stage is not None else ():
+                other, _, ability = need.partition(":")
+                if stages[other] is None:
+                    raise ValueError(f"{self.name}: its {field} stage needs a {other} stage")
+                if ability and ability not in OFFERS.get(stages[other], ()):
+                    raise ValueError(
+                        f"{self.name}: its {field} stage needs the {other} stage to offer "
+                        f"{ability!r}; {_name(stages[other])} does not"
+                    )
+
     def __call__(self, config: PolicyConfig | None = None) -> MoriEngine:
         return MoriEngine(self, config)
+
+
+_NOT_STAGES = ("name", "aging_s")
+
+
+def _name(stage: Stage) -> str:
+    return getattr(stage, "__name__", repr(stage))
 
 
 _PRICED: dict[str, Any] = {"waiver": None, "timed": None, "wait_bound": None}  # no time scheduler
