@@ -12,9 +12,10 @@
 
 Every rung keeps the paper's passes (`router.policy.engine`); the stages are described in
 their own files. What a stage reads of the others is declared beside the rows (`NEEDS`,
-`OFFERS`), and a row that leaves a need out is refused when it is written. TokenDance's rounds are their own valve (a round's agents are let in
-together, and a round that waited long makes others yield at round boundaries), so the
-wait bound and the door are not applied on top.
+`OFFERS`), and a row that leaves a need out is refused when it is written. TokenDance's
+rounds are their own valve (a round's agents are let in together, and a round that
+waited long makes others yield at round boundaries), so the wait bound and the door are
+not applied on top.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ OFFERS: dict[Stage, tuple[str, ...]] = {
     _hybrid: ("rank",),
     HomeFirst: ("spread",),  # new programs where the fewest run
 }
+_NOT_STAGES = ("name", "aging_s")  # the fields of a rung that are not stages
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,6 @@ class Rung:
 
     def __call__(self, config: PolicyConfig | None = None) -> MoriEngine:
         return MoriEngine(self, config)
-
-
-_NOT_STAGES = ("name", "aging_s")
 
 
 def _name(stage: Stage) -> str:

@@ -71,8 +71,9 @@ class Rounds:
             rnd = self._inferred(fresh, now)
         else:
             named = self.rounds.get(round_id)
-            rnd = named if named is not None else Round(round_id, True, now)
-            self.rounds[round_id] = rnd
+            if named is None:
+                named = self.rounds[round_id] = Round(round_id, True, now)
+            rnd = named
         if self.current.get(program_id) != rnd.round_id:
             self._move(program_id, rnd)
         rnd.members[program_id] = None
