@@ -1,5 +1,6 @@
 """The ladder's rows: a row whose stages need one it leaves out is refused when written, and
-every row the table accepts runs.
+the rows the table accepts run the golden load (a check, not a proof: that load does not
+reach an urgent step in flight, where a row without the time scheduler would stop).
 
 A stage reads others of its engine (the wait bound prices urgent victims with the forecast,
 keeps predicted-promoted programs for last with the time scheduler, places starts by the
