@@ -36,7 +36,9 @@ preset and prints real beside predicted (bench/engine_prediction.py); `--json OU
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -57,12 +59,20 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.engine_prediction import ENGINE_TOK_S, METRICS, compare, predict, sim_config  # noqa: E402
+from bench.engine_prediction import (  # noqa: E402
+    ENGINE_TOK_S,
+    METRICS,
+    compare,
+    mean_row,
+    predict,
+    sim_config,
+)
 from bench.gateways import SMG_PYTHON, gateway_argv, wait_serving  # noqa: E402
 from bench.machine_load import CpuSplit, wait_quiet  # noqa: E402
 from engine_patches.forward_log import ENV as FORWARD_LOG  # noqa: E402
 from router.calibrate.forwards import forward_speed, read_forwards, tokens_by  # noqa: E402
-from router.presets import read_preset  # noqa: E402
+from router.calibrate.speed import Speed, probe_speed  # noqa: E402
+from router.presets import at_speed, read_preset, write_preset  # noqa: E402
 from router.sim.model import CostModel  # noqa: E402
 from tests.servers import free_port, mori, spawn  # noqa: E402
 from tests.sglang.server import build_tiny_model, installed_version, patched_servers  # noqa: E402
@@ -151,6 +161,14 @@ def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, sh
     return out
 
 
+def speed_probe(url: str, preset: Path) -> Speed:
+    """The fresh engine's speed against `preset` (router/calibrate/speed.py, ~20 s), then
+    its cache emptied: the run starts as cold as without the probe."""
+    speed = asyncio.run(probe_speed(url, read_preset(preset)))
+    httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
+    return speed
+
+
 def one_run(
     args: argparse.Namespace,
     policy: str,
@@ -162,11 +180,14 @@ def one_run(
     """A fresh engine, a router with `policy`, and the replay; returns the replay's row, with
     the engine's tokens in the window and (given the prediction's `preset`) how long its
     prefill and decode forwards took against that preset's prices: a run on a machine
-    slower than at calibration shows here, apart from the model's error."""
+    slower than at calibration shows here, apart from the model's error. With a preset
+    the engine's speed is probed first (`speed_probe`), and the run is predicted at it."""
     flags = engine_flags(device_tokens)
-    split = CpuSplit()
     forwards = work / f"{_stem(policy)}.forwards"  # the engine's per-forward timings
     with patched_servers(1, model, work, flags, env={FORWARD_LOG: str(forwards)}) as (engine,):
+        probe = speed_probe(engine.url, preset) if preset and args.speed_probe else None
+        probed_at = time.monotonic()  # the engine's forward log runs on this clock
+        split = CpuSplit()
         port = free_port()
         with spawn(router_argv(args, policy, engine.url, port), port):
             if policy == GATEWAY:
@@ -193,7 +214,7 @@ def one_run(
                 sampler.join()
                 cpu = split.cores()  # before the stack stops
     row = json.loads(out.read_text())["results"][0]
-    logged = read_forwards(forwards)
+    logged = [f for f in read_forwards(forwards) if f.start_s >= probed_at]  # the run's own
     computed = tokens_by(logged, args.duration) / args.duration
     speed = forward_speed(CostModel(read_preset(preset)), logged) if preset else {}
     if args.keep is not None:  # the replay's JSON, CSV and per-step CSV, for the tail's why
@@ -210,6 +231,7 @@ def one_run(
         **{m: row[m] for m in METRICS if m != ENGINE_TOK_S},
         ENGINE_TOK_S: computed,  # from the engine's forward log: steps still running count
         "forwards_vs_price": speed,
+        **({"probe": dataclasses.asdict(probe)} if probe else {}),
         "failed_steps": row.get("failed_steps", 0),  # refused or broken steps: not counted
         "running_mean": statistics.fmean(samples) if samples else 0.0,
         "others": cpu.get("others", 0.0),
@@ -243,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         "--preset-file", type=Path, help="with --predict: this preset instead of calibrating"
     )
     parser.add_argument("--json", type=Path, help="with --predict: write the cells here")
+    parser.add_argument(
+        "--no-speed-probe",
+        dest="speed_probe",
+        action="store_false",
+        help="with --predict: price every run at the calibration's speed, without timing the "
+        "fresh engine first (router/calibrate/speed.py, ~20 s a run)",
+    )
     parser.add_argument(
         "--calibrate-reps", type=int, default=1, help="with --predict: the calibration's --reps"
     )
@@ -287,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = runs(args, policies, model, work, budget, console, preset)
                 md += report(args, shape, budget, rows, console)
                 if args.predict:
-                    md += predicted(args, shape, budget, rows, preset, console, cells)
+                    md += predicted(args, shape, budget, rows, preset, console, cells, work)
                     if args.json:
                         args.json.parent.mkdir(parents=True, exist_ok=True)
                         args.json.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
@@ -311,6 +340,8 @@ def runs(args, policies, model, work, budget, console, preset) -> dict[str, list
             row = one_run(args, policy, model, work, budget, preset) | {"load": load}
             rows[policy].append(row)
             speed = ", ".join(f"{k} {v:.2f}" for k, v in row.get("forwards_vs_price", {}).items())
+            if "probe" in row:
+                speed += f"; probed before: {row['probe']['slowdown']:.2f}"
             console.print(
                 f"{budget} tokens, run {run + 1} {escape(policy)}: {row['output_tok_s']:.1f} tok/s "
                 f"({time.monotonic() - started:.0f} s, load {load:.1f}, others "
@@ -374,25 +405,57 @@ def report(
 
 
 def predicted(
-    args, shape: str, budget: int, rows: dict[str, list[dict]], preset: Path, console, cells
+    args, shape: str, budget: int, rows: dict[str, list[dict]], preset: Path, console, cells, work
 ) -> list[str]:
     """Simulate the budget's cells with `preset`, print and return real beside predicted,
-    and add the cells to `cells`."""
+    and add the cells to `cells`. With speed probes, each run is simulated with the preset
+    at the speed probed before it (the prediction: their mean), and the prediction at the
+    calibration's speed is printed and kept beside (`predicted_at_calibration`)."""
     cell = {
         "concurrency": args.concurrency, "duration_s": args.duration, "seed": args.seed,
         "token_scale": args.token_scale, "tick_s": args.tick_s, "cpu_ratio": HICACHE_RATIO,
     }  # fmt: skip
+    title = f"model {shape}, {budget} device tokens"
     configs = {label: sim_config(*variant(label), preset, budget, cell) for label in rows}
-    table, md, found = compare(
-        f"model {shape}, {budget} device tokens", rows, predict(TRACE, configs)
-    )
-    console.print(table)
-    for line in md:
-        if line.startswith("- "):
-            console.print(escape(line[2:]))
-    cells += [{"device_tokens": budget, "model_shape": shape, **c} for c in found]
-    head = f"#### predicted by `mori sim` with {preset.name}: real / predicted (error)"
-    return [head, "", *md]
+    at_calibration = predict(TRACE, configs)
+    head = f"#### predicted by `mori sim` with {preset.name}"
+    predictions = {head: at_calibration}
+    if all("probe" in r for runs in rows.values() for r in runs):
+        each = {
+            f"{label}#{i}": sim_config(
+                *variant(label), priced_at(preset, r["probe"]["slowdown"], work), budget, cell
+            )
+            for label, runs in rows.items()
+            for i, r in enumerate(runs)
+        }
+        sims = predict(TRACE, each)
+        at_probe = {
+            label: mean_row([sims[f"{label}#{i}"] for i in range(len(runs))])
+            for label, runs in rows.items()
+        }
+        predictions = {
+            f"{head} at each run's probed speed": at_probe,
+            f"{head} at the calibration's speed": at_calibration,
+        }
+    md: list[str] = []
+    for k, (head, prediction) in enumerate(predictions.items()):
+        table, lines, found = compare(title, rows, prediction)
+        console.print(table)
+        for line in lines:
+            if line.startswith("- "):
+                console.print(escape(line[2:]))
+        md += [f"{head}: real / predicted (error)", "", *lines]
+        for c in found if k == 0 else ():  # the first is the prediction; the other beside
+            if len(predictions) > 1:
+                c["predicted_at_calibration"] = at_calibration[c["policy"]]
+            cells.append({"device_tokens": budget, "model_shape": shape, **c})
+    return md
+
+
+def priced_at(preset: Path, slowdown: float, work: Path) -> Path:
+    """`preset` at `slowdown` (router.presets.at_speed), as a preset file for the sim."""
+    out = work / f"{preset.stem}-x{slowdown:.4f}.json"
+    return write_preset(out, at_speed(read_preset(preset), slowdown))
 
 
 if __name__ == "__main__":

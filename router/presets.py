@@ -328,6 +328,31 @@ def price_summary(preset: Preset) -> str:
     return "; ".join(said if measured else ["no price measured", *said])
 
 
+def at_speed(preset: Preset, slowdown: float) -> Preset:
+    """`preset` on a machine that runs every forward `slowdown` times as long (1.3: 30 %
+    slower): its rates divided by it, its per-forward, per-iteration and per-request
+    overheads multiplied, so each time the cost model prices (prefill, decode iteration,
+    host load) is `slowdown` times the preset's. A shared machine's speed moves by tens of
+    percent within an hour (bench/results/2026-12-02-engine-prediction.md): a prediction
+    priced at the speed measured just before its run (`router.calibrate.speed`) is
+    priced at the machine it runs on."""
+    if not slowdown > 0:
+        raise ValueError(f"a slowdown is a positive factor, not {slowdown!r}")
+    gpu = preset.gpu
+    return dataclasses.replace(
+        preset,
+        gpu=dataclasses.replace(
+            gpu,
+            hbm_bytes_s=gpu.hbm_bytes_s / slowdown,
+            bf16_flops=gpu.bf16_flops / slowdown,
+            pcie_bytes_s=gpu.pcie_bytes_s / slowdown,
+        ),
+        step_overhead_s=preset.step_overhead_s * slowdown,
+        seq_overhead_s=preset.seq_overhead_s * slowdown,
+        prefill_overhead_s=preset.prefill_overhead_s * slowdown,
+    )
+
+
 def get_preset(name: str) -> Preset:
     """Look a preset up by name, or read a preset file (`mori calibrate --out`) when the
     name is a path to one; a clear error lists the known ones."""

@@ -5,6 +5,7 @@ and the preset file it writes drives `mori sim` and `mori emulate`."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from rich.console import Console
 from scipy.optimize import least_squares
 
@@ -22,7 +25,8 @@ from router.calibrate.cli import TERMS, base_preset, recorded, usable
 from router.calibrate.fit import ALWAYS_HELD, NAMES, Prices, _jacobian_workers, fit, replay
 from router.calibrate.forwards import Forward, forward_speed, priced_s
 from router.calibrate.probes import Timing, schedule
-from router.presets import get_preset, read_preset
+from router.calibrate.speed import probe_speed
+from router.presets import at_speed, get_preset, read_preset, write_preset
 from router.sim.model import CostModel
 from tests.servers import free_port, mori, spawn
 
@@ -147,6 +151,52 @@ def test_sim_and_emulate_take_the_preset_file(calibrated, tmp_path: Path) -> Non
     with spawn(argv, port):
         info = httpx.get(f"http://127.0.0.1:{port}/get_server_info").json()
     assert info["preset"] == str(out) and "measured" in info["prices"]
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 1.5])
+def test_speed_probe_measures_how_much_slower_the_replica_runs_than_its_preset(
+    slowdown: float, tmp_path: Path
+) -> None:
+    """An emulated replica running the h100-8b preset `slowdown` times slower: the probe
+    against h100-8b says so (the emulator runs the cost model: only the probes' timing and
+    the measured-over-priced sum are tested), and `at_speed` of the preset prices it."""
+    h100 = dataclasses.replace(get_preset("h100-8b"), kv_tokens=16384)
+    slower = write_preset(tmp_path / "slower.json", at_speed(h100, slowdown))
+    port = free_port()
+    argv = mori("emulate", "--port", str(port), "--preset-file", str(slower), "--time-scale", "4")
+    with spawn(argv, port):
+        speed = asyncio.run(probe_speed(f"http://127.0.0.1:{port}", h100))
+        again = asyncio.run(probe_speed(f"http://127.0.0.1:{port}", read_preset(slower)))
+    assert speed.slowdown == pytest.approx(slowdown, rel=0.03), speed
+    assert speed.prefill == pytest.approx(slowdown, rel=0.03), speed
+    assert speed.decode == pytest.approx(slowdown, rel=0.03), speed
+    assert again.slowdown == pytest.approx(1.0, rel=0.03), again
+
+
+@given(
+    slowdown=st.floats(0.2, 5.0),
+    new=st.integers(1, 40_000),
+    prefix=st.integers(0, 60_000),
+    batch=st.integers(1, 256),
+)
+def test_at_speed_multiplies_every_time_the_model_prices(
+    slowdown: float, new: int, prefix: int, batch: int
+) -> None:
+    for preset in (get_preset("h100-8b"), get_preset("h200-30b-moe"), cpu_like(3.3e9)):
+        base, slow = CostModel(preset), CostModel(at_speed(preset, slowdown))
+        for priced in (
+            lambda m: m.prefill_s(new, prefix),
+            lambda m: m.forwards_s(new),
+            lambda m: m.decode_step_s(batch, prefix),
+            lambda m: m.load_s(new),
+        ):
+            assert priced(slow) == pytest.approx(slowdown * priced(base), rel=1e-9)
+
+
+def test_at_speed_refuses_what_is_no_slowdown() -> None:
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="positive factor"):
+            at_speed(get_preset("h100-8b"), bad)
 
 
 def test_calibrate_refuses_a_dead_endpoint_in_one_line(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import math
 import subprocess
 from pathlib import Path
 
+from bench.real_engine_ab import speed_probe
 from engine_patches.forward_log import ENV as FORWARD_LOG
 from router.calibrate.forwards import read_forwards
 from router.presets import read_preset
@@ -31,7 +32,11 @@ def test_calibrate_times_the_real_engine_and_writes_a_preset(tmp_path: Path) -> 
             ),
             capture_output=True, text=True, timeout=900,
         )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:] + server.log_tail()
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:] + server.log_tail()
+        # the bench's probe before each predicted run: the engine's speed against the preset
+        # just fitted to it, then its cache emptied (SGLang's /flush_cache)
+        speed = speed_probe(server.url, out)
+    assert 0.5 < speed.slowdown < 2 and speed.seconds > 0, speed
     doc = json.loads(out.read_text())
     assert doc["engine"]["server_info"]["version"] == installed_version()
     assert doc["preset"]["chunk_tokens"] == doc["engine"]["server_info"]["chunked_prefill_size"]

@@ -32,7 +32,17 @@ from rich.table import Table
 
 from router.calibrate.fit import NAMES, SHARES, FitResult, Prices, fit, observed
 from router.calibrate.forwards import Forward, log_line, read_forwards
-from router.calibrate.probes import Call, Endpoint, Probe, Timing, measure, schedule
+from router.calibrate.probes import (
+    SPAN_CAP,
+    SPAN_SHARE,
+    Call,
+    Endpoint,
+    Probe,
+    Timing,
+    measure,
+    schedule,
+    span_for,
+)
 from router.presets import GPU, ModelSpec, Preset, get_preset, write_preset
 
 # fitted price -> the preset term it sets, and its unit as printed
@@ -48,8 +58,6 @@ TERMS = {
     "load_s": ("pcie_bytes_s", "s/token"),
     "load_serial": ("load_serial", "share"),
 }
-SPAN_CAP = 32768  # longest probe prompt on a large pool: attention already shows at 32k
-SPAN_SHARE = 0.75  # ... and at most this share of the device pool
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +164,7 @@ async def _measure(
         info = described["server_info"]
         pool = int(described.get("device_capacity_tokens") or info["max_total_num_tokens"])
         host = int(described.get("host_capacity_tokens") or 0) > 0
-        span = args.span or min(SPAN_CAP, int(SPAN_SHARE * pool))
+        span = args.span or span_for(pool)
         probes = schedule(span, pool, args.reps, args.decode_tokens, host)
         columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
         with Progress(*columns, TimeElapsedColumn(), console=console) as progress:

@@ -54,6 +54,8 @@ DECODES = ((1, 1 / 16), (1, 1.0), (2, 1 / 2), (4, 1 / 4), (8, 1 / 16), (8, 1 / 2
 # engine's forward first, short enough that the calls arrive while it runs)
 LEAD_SHARE, LEAD_S = 0.25, (0.01, 0.5)
 SETTLE_S = 0.1  # pause between probes: the engine finishes its bookkeeping (write-through)
+SPAN_CAP = 32768  # longest probe prompt on a large pool: attention already shows at 32k
+SPAN_SHARE = 0.75  # ... and at most this share of the device pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,11 @@ class Timing:
     def decode_s(self) -> float:
         """From the first token to the last: output - 1 decode iterations (0 for one)."""
         return self.done - self.first if self.output_tokens > 1 else 0.0
+
+
+def span_for(pool: int) -> int:
+    """The longest probe prompt for a `pool`-token device."""
+    return min(SPAN_CAP, int(SPAN_SHARE * pool))
 
 
 def schedule(
