@@ -153,13 +153,14 @@ def test_sim_and_emulate_take_the_preset_file(calibrated, tmp_path: Path) -> Non
     assert info["preset"] == str(out) and "measured" in info["prices"]
 
 
-@pytest.mark.parametrize("slowdown", [1.0, 1.5])
 def test_speed_probe_measures_how_much_slower_the_replica_runs_than_its_preset(
-    slowdown: float, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    """An emulated replica running the h100-8b preset `slowdown` times slower: the probe
-    against h100-8b says so (the emulator runs the cost model: only the probes' timing and
-    the measured-over-priced sum are tested), and `at_speed` of the preset prices it."""
+    """An emulated replica running the h100-8b preset 1.5 times slower: the probe against
+    h100-8b says so, and against that slower preset says 1 (the emulator runs the cost
+    model: what is tested is the probes' timing and the one-factor fit, whose replay
+    keeps the idle gaps of calls that reached the engine late, which no speed stretches)."""
+    slowdown = 1.5
     h100 = dataclasses.replace(get_preset("h100-8b"), kv_tokens=16384)
     slower = write_preset(tmp_path / "slower.json", at_speed(h100, slowdown))
     port = free_port()

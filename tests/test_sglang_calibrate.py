@@ -33,6 +33,7 @@ def test_calibrate_times_the_real_engine_and_writes_a_preset(tmp_path: Path) -> 
             capture_output=True, text=True, timeout=900,
         )  # fmt: skip
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:] + server.log_tail()
+        forwards = read_forwards(log)
         # the bench's probe before each predicted run: the engine's speed against the preset
         # just fitted to it, then its cache emptied (SGLang's /flush_cache)
         speed = speed_probe(server.url, out)
@@ -56,7 +57,6 @@ def test_calibrate_times_the_real_engine_and_writes_a_preset(tmp_path: Path) -> 
     # the engine logged every forward the timed calls needed: a decode iteration per token
     # after the first, each prompt's uncached tokens in a prefill (setup calls add more)
     calls = [t for row in doc["fit"]["probes"] for t in row["timings"]]
-    forwards = read_forwards(log)
     assert sum(f.reqs for f in forwards if f.decode) >= sum(t["output_tokens"] - 1 for t in calls)
     uncached = sum(t["prompt_tokens"] - t["cached_device"] - t["cached_host"] for t in calls)
     assert sum(n for f in forwards for n, _ in f.lens) >= uncached
