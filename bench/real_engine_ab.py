@@ -161,11 +161,18 @@ def calibrate(args: argparse.Namespace, model: Path, work: Path, budget: int, sh
     return out
 
 
-def speed_probe(url: str, preset: Path) -> Speed:
+def speed_probe(url: str, preset: Path, within_s: float = 60.0) -> Speed:
     """The fresh engine's speed against `preset` (router/calibrate/speed.py, ~20 s), then
-    its cache emptied: the run starts as cold as without the probe."""
+    its cache emptied: the run starts as cold as without the probe. SGLang refuses to
+    flush (400) while a request is still in its scheduler (a probe's last stream may end
+    at the client before it leaves there): asked again until it has."""
     speed = asyncio.run(probe_speed(url, read_preset(preset)))
-    httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
+    deadline = time.monotonic() + within_s
+    while (flushed := httpx.post(f"{url}/flush_cache", timeout=60)).status_code == 400:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    flushed.raise_for_status()
     return speed
 
 
