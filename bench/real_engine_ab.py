@@ -273,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="with --predict: write the cells here")
     parser.add_argument(
-        "--no-speed-probe",
-        dest="speed_probe",
-        action="store_false",
-        help="with --predict: price every run at the calibration's speed, without timing the "
-        "fresh engine first (router/calibrate/speed.py, ~20 s a run)",
+        "--speed-probe",
+        action="store_true",
+        help="with --predict: time each fresh engine first (router/calibrate/speed.py, ~20 s "
+        "a run) and predict each run also at that speed (on 2026-12-02 it read 0.87-1.03 "
+        "where the runs' forwards ran 0.94-1.16: an idle engine's speed, not a loaded one's)",
     )
     parser.add_argument(
         "--calibrate-reps", type=int, default=1, help="with --predict: the calibration's --reps"
@@ -415,9 +415,9 @@ def predicted(
     args, shape: str, budget: int, rows: dict[str, list[dict]], preset: Path, console, cells, work
 ) -> list[str]:
     """Simulate the budget's cells with `preset`, print and return real beside predicted,
-    and add the cells to `cells`. With speed probes, each run is simulated with the preset
-    at the speed probed before it (the prediction: their mean), and the prediction at the
-    calibration's speed is printed and kept beside (`predicted_at_calibration`)."""
+    and add the cells to `cells`. With speed probes, each run is also simulated with the
+    preset at the speed probed before it, and the mean of those is printed and kept beside
+    (`predicted_at_probed_speed`)."""
     cell = {
         "concurrency": args.concurrency, "duration_s": args.duration, "seed": args.seed,
         "token_scale": args.token_scale, "tick_s": args.tick_s, "cpu_ratio": HICACHE_RATIO,
@@ -441,8 +441,8 @@ def predicted(
             for label, runs in rows.items()
         }
         predictions = {
-            f"{head} at each run's probed speed": at_probe,
             f"{head} at the calibration's speed": at_calibration,
+            f"{head} at each run's probed speed": at_probe,
         }
     md: list[str] = []
     for k, (head, prediction) in enumerate(predictions.items()):
@@ -454,7 +454,7 @@ def predicted(
         md += [f"{head}: real / predicted (error)", "", *lines]
         for c in found if k == 0 else ():  # the first is the prediction; the other beside
             if len(predictions) > 1:
-                c["predicted_at_calibration"] = at_calibration[c["policy"]]
+                c["predicted_at_probed_speed"] = at_probe[c["policy"]]
             cells.append({"device_tokens": budget, "model_shape": shape, **c})
     return md
 
