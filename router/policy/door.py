@@ -55,6 +55,8 @@ class Door:
         """Starts whose request is at the gate now, in door order. Starts placed since
         (by the policy's door, or by any pass that places a held request) leave the door
         here, each one more sample of its pace (its step began when it was let in)."""
+        if not self._queue:  # every event asks; most find no start at the door
+            return []
         placed = [p for p in self._queue.values() if p.last_replica is not None]
         for p in placed:
             del self._queue[p.program_id]

@@ -136,16 +136,6 @@ class MoriEngine(Policy):
         """The last-step growth of GPU(replica)'s REASONING programs, summed."""
         return self._reserve.get(replica, 0)
 
-    def leave_free(self, replica: str, now: float) -> int:
-        """Room a promotion pass leaves free on GPU(replica) at `now`: all of it while it
-        is kept for an urgent step in flight, else the reserve less what the band waiver
-        lets go."""
-        if self.wait_bound is not None and replica in self.wait_bound.held_for:
-            return self.tiers.budget(Placement(Tier.GPU, replica)) + 1
-        band = self._reserve.get(replica, 0)  # promotion_reserve, inlined: every pass asks
-        reserve = band + self.space.unused_reserve(replica) if self.space else band
-        return reserve - self.waiver.waived(replica, band, now) if self.waiver else reserve
-
     def reasoning_on(self, replica: str) -> int:
         """How many programs have a step running on `replica` (the batch a recompute
         there stalls)."""
@@ -167,8 +157,10 @@ class MoriEngine(Policy):
             self._reasoning[replica] = self._reasoning.get(replica, 0) + 1
 
     def move(self, p: Program, dst: Placement, reason: MoveReason, now: float) -> Move:
+        starts = dst.tier is Tier.GPU and p.pending  # `_start` re-accounts it, as below
         move = super().move(p, dst, reason, now)
-        self._sync_reserve(p)
+        if not starts:
+            self._sync_reserve(p)
         if p.pending:  # a held request changed where it can be promoted to
             self._smallest.push(p)
         return move
@@ -536,9 +528,22 @@ class MoriEngine(Policy):
 
     def free_room(self, now: float) -> Free:
         """GPU room per replica a promotion pass may fill: free room less what the pass
-        leaves free (`leave_free`)."""
-        leave_free = self.leave_free
-        return {r: room - leave_free(r, now) for r, room in self.tiers.gpu_free().items()}
+        leaves free there: all of it on a replica kept for an urgent step in flight, else
+        the reserve (`promotion_reserve`, inlined: every pass of every event asks, for
+        every replica) less the part of the growth band the band waiver lets go."""
+        free = self.tiers.gpu_free()
+        kept = self.wait_bound.held_for if self.wait_bound is not None else ()
+        bands, space, waiver = self._reserve, self.space, self.waiver
+        for r in free:
+            if r in kept:
+                free[r] -= self.tiers.budget(self.tiers.gpu_place[r]) + 1
+                continue
+            band = bands.get(r, 0)
+            leave = band + space.unused_reserve(r) if space else band
+            if waiver is not None and band > 0:
+                leave -= waiver.waived(r, band, now)
+            free[r] -= leave
+        return free
 
     def _promote_into(self, free: Free, now: float, displace: bool) -> list[Move]:
         """Promote held requests into `free`, class by class (MORI 4.3.1), updating it as
@@ -567,9 +572,10 @@ class MoriEngine(Policy):
                 returning.append(p)
             else:
                 new.append(p)
-        self.ordering.order_classes((on_cpu, returning, new), idleness, now)
-        for group in (on_cpu, returning, new):  # the client's priority first (agent hints);
-            group.sort(key=_by_priority)  # stable: the policy's order among equals
+        if len(on_cpu) + len(returning) + len(new) > 1:  # one request (most events): in order
+            self.ordering.order_classes((on_cpu, returning, new), idleness, now)
+            for group in (on_cpu, returning, new):  # the client's priority first (agent
+                group.sort(key=_by_priority)  # hints); stable: the policy's order among equals
         for p in on_cpu:
             if not self._place_cpu(p, free, now, moves) and displace:
                 r: str = p.placement.replica  # type: ignore[assignment]
@@ -638,7 +644,7 @@ class MoriEngine(Policy):
         order places whatever fragmentation left out, so after a pass no held request
         that fits anywhere is left behind.
         """
-        total = sum(max(0, f) for f in free.values())
+        total = sum(f for f in free.values() if f > 0)
         picked = []
         for p in ranked:
             if p.context_tokens <= total:

@@ -187,9 +187,10 @@ class WaitBound:
         new program), else in place of programs in tool calls whose move pays."""
         engine = self.engine
         self._update_gains(now)  # every pass, so it sees the strain while no start waits
-        starts = sorted(self.door.held(), key=lambda p: -p.priority)  # stable: door order
+        starts = self.door.held()
         if not starts:
             return []
+        starts.sort(key=lambda p: -p.priority)  # stable: door order among equals
         closed = {r for r in self._held_on if self._oldest_on(r) is not None}
         replicas = engine.tiers.replicas()
         if self.loads(now).keys() != set(replicas):  # a replica came or went since the sum
