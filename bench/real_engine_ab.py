@@ -187,8 +187,9 @@ def one_run(
     """A fresh engine, a router with `policy`, and the replay; returns the replay's row, with
     the engine's tokens in the window and (given the prediction's `preset`) how long its
     prefill and decode forwards took against that preset's prices: a run on a machine
-    slower than at calibration shows here, apart from the model's error. With a preset
-    the engine's speed is probed first (`speed_probe`), and the run is predicted at it."""
+    slower than at calibration shows here, apart from the model's error. With
+    `--speed-probe` the engine's speed is probed first (`speed_probe`), for a prediction
+    at that speed beside."""
     flags = engine_flags(device_tokens)
     forwards = work / f"{_stem(policy)}.forwards"  # the engine's per-forward timings
     with patched_servers(1, model, work, flags, env={FORWARD_LOG: str(forwards)}) as (engine,):

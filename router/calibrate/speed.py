@@ -11,6 +11,10 @@ before a measured run and finds the factor by which the preset's cost model is s
 them (`slowdown_of`): the run's slowdown, measured before its outcome is known;
 `router.presets.at_speed` prices the run's prediction at it. One factor moves every
 price, so the model's shape (what a hit saves, what a batch costs) stays the fit's.
+
+Measured (bench/results/2026-12-02-speed-probe.md): it reads the idle engine, which ran
+0.87-1.03 of the calibrated prices before runs whose own forwards ran 0.94-1.16, so priced
+at it the predictions moved further off; `bench/real_engine_ab.py` makes it opt-in.
 """
 
 from __future__ import annotations
