@@ -71,9 +71,9 @@ def slowdown_of(
     over all the probes, then over the prefills and the decodes apart; a probe whose
     calls never ran together is left out."""
     kept = [(p, t) for p, t in zip(probes, timings, strict=True) if observed(p, t) > 0]
-    kinds = {"prefill": [k for k in kept if k[0].kind != "decode"]}
-    kinds["decode"] = [k for k in kept if k[0].kind == "decode"]
-    if not all(kinds.values()):
+    prefills = [k for k in kept if k[0].kind != "decode"]
+    decodes = [k for k in kept if k[0].kind == "decode"]
+    if not prefills or not decodes:
         raise RuntimeError("the speed probe measured no prefill or no decode")
 
     def best(chosen: list[tuple[Probe, list[Timing]]]) -> float:
@@ -90,8 +90,8 @@ def slowdown_of(
 
     return Speed(
         slowdown=best(kept),
-        prefill=best(kinds["prefill"]),
-        decode=best(kinds["decode"]),
+        prefill=best(prefills),
+        decode=best(decodes),
         seconds=sum(observed(p, t) for p, t in kept),
     )
 
