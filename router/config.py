@@ -92,6 +92,7 @@ class RouterConfig(BaseModel):
     max_step_wait_s: float = Field(default=_POLICY.max_step_wait_s, ge=0)
     door_load: float = Field(default=_POLICY.door_load, gt=0)
     door_gain_max: float = Field(default=_POLICY.door_gain_max, ge=1)
+    door_gain_min: float = Field(default=_POLICY.door_gain_min, ge=1)
     start_hold_s: float = Field(default=_POLICY.start_hold_s, ge=0)
     critical_ratio: float = Field(default=_POLICY.critical_ratio, ge=0, le=1)
     w_static: float = Field(default=_POLICY.w_static, ge=0)

@@ -236,8 +236,9 @@ def test_a_higher_priority_start_is_let_in_first():
 def three_running_then_a_start(cpu: int, at: float, **cfg) -> MoriEngine:
     """`a`, `b`, `c` (100 tokens each, 300 at life size) reason on an 800-token GPU:
     900 of busy load against door_load x 800; `d` (100, fits the free room) asks at 0.6
-    and waits; the engine ticks every 10 s until `at`."""
-    policy = make(gpu=800, cpu=cpu, door_load=1.0, **cfg)
+    and waits; the engine ticks every 10 s until `at`. The door's floor is off unless
+    `cfg` sets it (1.2 x 800 would let `d` in at once where the host holds them all)."""
+    policy = make(gpu=800, cpu=cpu, door_load=1.0, **({"door_gain_min": 1.0} | cfg))
     for pid, t in (("a", 0.0), ("b", 0.0), ("c", 0.5)):
         policy.on_request(pid, t, 100)
         assert policy.route(pid) == "r0"
@@ -264,10 +265,31 @@ def test_the_door_opens_wider_while_steps_run_unheld_and_the_host_holds_every_pr
     assert early.route("d") is None
 
 
+def test_where_the_host_holds_every_program_the_door_starts_at_its_floor():
+    """`door_gain_min` (1.2): with no calm yet, a start is let in past `door_load` up to
+    1.2 x it where the host tier holds every program at life size (a parked one keeps its
+    host copy: letting one more in costs reloads); not where the host does not hold them,
+    and not with the floor at 1 or with the gain off (`door_gain_max` 1: a fixed door)."""
+
+    def d_at_once(cpu: int, **cfg) -> str | None:
+        policy = make(gpu=800, cpu=cpu, door_load=1.0, **cfg)
+        for pid, t in (("a", 0.0), ("b", 0.0), ("c", 0.5)):  # 900 of load against 800
+            policy.on_request(pid, t, 100)
+        policy.on_request("d", 0.6, 100)
+        return policy.route("d")
+
+    assert d_at_once(cpu=4000) == "r0"  # 900 < 1.2 x 800, and 0.8 x 4000 holds them
+    assert d_at_once(cpu=800) is None  # 0.8 x 800 < 4 x 300: a parked one would recompute
+    assert d_at_once(cpu=4000, door_gain_min=1.0) is None
+    assert d_at_once(cpu=4000, door_gain_max=1.0) is None
+    assert d_at_once(cpu=4000, door_gain_min=1.1) is None  # 900 > 1.1 x 800 = 880
+
+
 def calm_until_200(**cfg) -> MoriEngine:
     """`a` (600 tokens) ran a step and was parked off the GPU, `x` (500) is in a tool call
-    on it; ticks every 10 s until 190 with no step held: the door's gain has grown."""
-    policy = make(gpu=1000, cpu=100_000, door_load=5.0, **cfg)
+    on it; ticks every 10 s until 190 with no step held: the door's gain has grown (its
+    floor off: what moves here is the gain alone)."""
+    policy = make(gpu=1000, cpu=100_000, door_load=5.0, **({"door_gain_min": 1.0} | cfg))
     run_step(policy, "a", 0.0, 600)
     policy.move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
     run_step(policy, "x", 2.0, 500)

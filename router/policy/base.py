@@ -106,6 +106,10 @@ class PolicyConfig:
     # mori: the door opens up to this many times `door_load` on a replica whose steps in
     # flight stay unheld and whose host tier holds every program of it (1: fixed door)
     door_gain_max: float = 2.0
+    # mori: ... and never narrower there than this many times `door_load` (at most
+    # `door_gain_max`), strained or not: a parked program keeps its host copy, so a start
+    # let in past the estimate costs reloads, not recomputes (1: the gain alone)
+    door_gain_min: float = 1.2
     # mori: the longest a start is held at the door; one expected to wait longer is told at
     # once to come back when its turn is expected (429 + Retry-After), keeping its place
     start_hold_s: float = 30.0

@@ -212,14 +212,18 @@ class WaitBound:
 
     def spare(self, replica: str, now: float) -> float:
         """The busy load the door may still let in on `replica`: `door_load` x its GPU
-        room less what its programs in flight bring (`loads`), opened up to its gain while
-        the host tier holds every program of it at life size. HiCache writes each
-        program's KV through to host, so past the host's room a program parked in a tool
-        call loses its copy and recomputes on return: opened at a CPU ratio of 1 the door
-        doubled the prefilled tokens and lost 5-12 %; at 2 it gained up to 4 %."""
+        room less what its programs in flight bring (`loads`), opened to its gain (never
+        below `door_gain_min`) while the host tier holds every program of it at life size.
+        HiCache writes each program's KV through to host, so past the host's room a program
+        parked in a tool call loses its copy and recomputes on return: opened at a CPU
+        ratio of 1 the door doubled the prefilled tokens and lost 5-12 %; at 2 it gained up
+        to 4 %, and the floor of 1.2 another 0.5-2 % where the gain was strained
+        (bench/results/2026-12-02-host-door.md)."""
+        config = self.engine.config
         load = self.loads(now).get(replica, 0.0)  # a replica new since the sum: none yet
-        door = self.engine.config.door_load * self._room(replica)
-        gain = self._gain.get(replica, 1.0)
+        door = config.door_load * self._room(replica)
+        floor = min(config.door_gain_min, config.door_gain_max)
+        gain = max(self._gain.get(replica, 1.0), floor)
         if gain <= 1.0:
             return door - load
         host_tokens = self.engine.tiers.capacity[replica].cpu_tokens
