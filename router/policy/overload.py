@@ -7,8 +7,8 @@ before anything else, into free room or in place of programs in tool calls, or i
 replica's room is kept for it until running steps end. A program's first request waits at
 the door (`router.policy.door`) and is let in only where no step in flight waits and the
 programs in flight leave load to spare (more, up to `door_gain_max`, while they stay
-unheld and the host tier holds them all); one not expected in before the gate times it out
-is told at once to come back.
+unheld and the host tier holds them all, and never less than `door_gain_min` there); one
+not expected in before the gate times it out is told at once to come back.
 """
 
 from __future__ import annotations
