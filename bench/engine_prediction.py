@@ -59,7 +59,8 @@ def _simulate(trace: str, config: SimConfig) -> dict:
     result = simulate(load_trace(trace), config)
     extra = result.extra
     return {m: extra[m] if m == ENGINE_TOK_S else getattr(result, m) for m in METRICS} | {
-        "running_mean": extra["running_mean"]
+        # the real side samples SGLang's `num_running_reqs`, the decode batch alone
+        "running_mean": extra["decoding_mean"]
     }
 
 

@@ -260,3 +260,17 @@ def test_engine_tokens_count_a_step_still_decoding_at_the_end(test_policies):
     done, _ = run([TWO_STEPS], policy="forward-all", concurrency=1, duration_s=60)
     answered = sum(r.output_tokens for r in done.records if r.finish_s <= 60)
     assert next(iter(done.engines.values())).generated_by(60) >= answered
+
+
+def test_the_decode_batch_is_counted_apart_from_the_prefill_batch(test_policies):
+    """`running_mean` counts the batch being prefilled too; `decoding_mean` the decode
+    batch alone, as SGLang's `num_running_reqs` gauge does (the real-engine bench compares
+    that gauge with it). One program at a time: the two differ by the share of time its
+    one request spends in prefill."""
+    long_prompts = prog("a", [(60_000, 200, 0, 0.0), (61_000, 200, 60_200, 0.0)])
+    _, result = run([long_prompts], policy="forward-all", concurrency=1, duration_s=60)
+    extra = result.extra
+    assert extra["prefill_busy"] > 0.05  # the prompts take a visible share of the time
+    assert extra["decoding_mean"] < extra["running_mean"]
+    gap = extra["running_mean"] - extra["decoding_mean"]
+    assert gap == pytest.approx(extra["prefill_busy"], abs=0.015)

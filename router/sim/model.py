@@ -437,6 +437,7 @@ class ReplicaEngine:
             "host_used_tokens": self.tree.host_used,
             "device_active_tokens": self.tree.locked_tokens,
             "running": len(self._running) + (len(self._phase.batch) if self._prefilling else 0),
+            "decoding": len(self._running),  # what SGLang's num_running_reqs gauge counts
             "queued": len(self._queue),
         }
 

@@ -201,6 +201,7 @@ class Simulation:
         self._util_area = 0.0
         self._util_t = 0.0
         self._running_area = 0.0
+        self._decoding_area = 0.0
         self._tasks_area = 0.0  # task-seconds in flight (open loop: mean tasks in flight)
         self.tasks_live = 0  # main programs started and not ended
         self._arrivals_left = 0  # open loop: tasks still to arrive
@@ -318,6 +319,8 @@ class Simulation:
         extra = {
             "gate_wait_mean_s": round(sum(waits) / len(waits), 3) if waits else 0.0,
             "running_mean": round(self._running_area / end / len(self.engines), 2),
+            # the decode batch alone: SGLang's `num_running_reqs` leaves out the prefill batch
+            "decoding_mean": round(self._decoding_area / end / len(self.engines), 2),
             "prefill_busy": round(sum(s["prefill_s"] for s in stats) / end, 3),
             "prefill_tokens": sum(s["prefill_tokens"] for s in stats),
             # every output token computed by the end, steps still running included (the
@@ -401,6 +404,7 @@ class Simulation:
             usages = [e.usage() for e in self.engines.values()]
             self._util_area += (t - self._util_t) * sum(u["device_active_tokens"] for u in usages)
             self._running_area += (t - self._util_t) * sum(u["running"] for u in usages)
+            self._decoding_area += (t - self._util_t) * sum(u["decoding"] for u in usages)
             self._tasks_area += (t - self._util_t) * self.tasks_live
             self._util_t = t
 
