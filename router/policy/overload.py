@@ -217,7 +217,7 @@ class WaitBound:
         HiCache writes each program's KV through to host, so past the host's room a program
         parked in a tool call loses its copy and recomputes on return: opened at a CPU
         ratio of 1 the door doubled the prefilled tokens and lost 5-12 %; at 2 it gained up
-        to 4 %, and the floor of 1.2 another 0.5-2 % where the gain was strained
+        to 4 %, and its floor another 0.5-2 % where the gain was strained
         (bench/results/2026-12-02-host-door.md)."""
         config = self.engine.config
         load = self.loads(now).get(replica, 0.0)  # a replica new since the sum: none yet
