@@ -9,8 +9,16 @@ import pytest
 
 from router.policy import PolicyConfig, make_policy
 from router.policy.engine import MoriEngine
+from router.policy.ordering import held_class
 from router.policy.predictor import MIN_DIST_SAMPLES
-from router.policy.types import MoveReason, Placement, ReplicaCapacity, Status, Tier
+from router.policy.types import (
+    AgentHints,
+    MoveReason,
+    Placement,
+    ReplicaCapacity,
+    Status,
+    Tier,
+)
 
 GPU0, CPU0 = Placement(Tier.GPU, "r0"), Placement(Tier.CPU, "r0")
 GPU1 = Placement(Tier.GPU, "r1")
@@ -311,3 +319,37 @@ def test_a_move_is_priced_by_what_the_request_brings():
     assert where(policy, "x") == GPU0 and policy.route("x") == "r0"
     assert CPU0 in (where(policy, "a"), where(policy, "b"))
     assert policy.programs["n"].pending
+
+
+@pytest.mark.parametrize("name", ["mori", "mori+space"])
+def test_held_requests_ranked_at_once_rank_as_one_at_a_time(name: str):
+    """The tick ranks every held request at once (`rank_many`: the queue's rebuild, the
+    priced pass's order); each key must be the one `rank(now)` gives it alone, classes,
+    client priorities and idleness mixed (a key off by anything reorders the queue)."""
+    cfg = PolicyConfig(load_s_per_token=1e-4, max_step_wait_s=0)  # no door: starts held too
+    policy = make_policy(name, cfg)
+    assert isinstance(policy, MoriEngine)
+    policy.add_replica("r0", ReplicaCapacity(3000, 1500))
+
+    def ask(pid: str, now: float, tokens: int, priority: int) -> None:
+        policy.on_prompt(pid, [], hints=AgentHints(priority=priority))
+        policy.on_request(pid, now, tokens)
+
+    t = 0.0
+    for step in range(4):  # 14 programs on room for ~6: moved off, held, let in in turns
+        for i in range(14):
+            t += 0.5
+            p = policy.programs.get(f"p{i}")
+            if p is None or p.status is Status.ACTING:
+                ask(f"p{i}", t, 300 + 97 * i + 60 * step, i % 3)
+            elif p.status is Status.REASONING:
+                policy.on_response(f"p{i}", t, p.context_tokens + 50)
+        policy.tick(t)
+    for i in range(14, 18):  # and new programs that have not run
+        ask(f"p{i}", t, 400 + 50 * i, i % 2)
+    held = [p for p in policy.held_programs() if p.placement.tier is not Tier.GPU]
+    assert {held_class(p) for p in held} >= {1, 2}, "returning and new requests held"
+    assert len({p.priority for p in held}) > 1
+    assert len({p.idleness(t) for p in held if held_class(p) == 1}) > 1
+    one = policy.ordering.rank(t)  # type: ignore[attr-defined]
+    assert policy.ordering.rank_many(held, t) == [one(p) for p in held]  # type: ignore[attr-defined]

@@ -149,7 +149,8 @@ class PricedDisplacement:
             self._refresh_next += 1
             self.victims.refresh(replica)
             ranked += engine.tiers.count(Placement(Tier.GPU, replica))
-        self.queue.rebuild(engine.held_programs(), engine.ordering.rank(now))  # type: ignore[attr-defined]
+        held = [p for p in engine.held_programs() if p.placement.tier is not Tier.GPU]
+        self.queue.rebuild(held, engine.ordering.rank_many(held, now))  # type: ignore[attr-defined]
 
     def tick_end(self, now: float) -> None:
         """The pools `refresh` dropped that requests were taking from, ranked again now
@@ -208,9 +209,9 @@ class PricedDisplacement:
         aging_s = self.engine.aging_s
         cutoff = now - aging_s if aging_s > 0 else float("-inf")
         aged = [p for p in held if p.last_active_s <= cutoff]
-        rank = self.engine.ordering.rank(now)  # type: ignore[attr-defined]
-        rest = sorted((p for p in held if p.last_active_s > cutoff), key=rank)
-        return aged + rest
+        rest = [p for p in held if p.last_active_s > cutoff]
+        ranks = self.engine.ordering.rank_many(rest, now)  # type: ignore[attr-defined]
+        return aged + [rest[i] for i in sorted(range(len(rest)), key=ranks.__getitem__)]
 
 
 class HeldQueue:
@@ -226,11 +227,12 @@ class HeldQueue:
     def push(self, p: Program, rank: Callable[[Program], tuple]) -> None:
         heapq.heappush(self._heap, (rank(p), next(self._seq), p, p.last_active_s))
 
-    def rebuild(self, held: list[Program], rank: Callable[[Program], tuple]) -> None:
-        self._heap = []
-        for p in held:
-            if p.placement.tier is not Tier.GPU:
-                self.push(p, rank)
+    def rebuild(self, held: list[Program], ranks: list[tuple]) -> None:
+        """The queue of `held` (none on a GPU tier), `ranks` their keys: heapified at once,
+        its entries in the order pushes would number them (unique: the same pops)."""
+        seq = self._seq
+        self._heap = [(r, next(seq), p, p.last_active_s) for p, r in zip(held, ranks, strict=True)]
+        heapq.heapify(self._heap)
 
     def top(self, k: int, rank_now: Callable[[], Callable[[Program], tuple]]) -> list[Program]:
         """The first `k` held requests still waiting; `rank_now()`: the rank to push again

@@ -790,9 +790,16 @@ class SmallestHeld:
             )
 
     def rebuild(self, held: list[Program]) -> None:
-        self._heaps = {}
+        """The heaps of `held`, heapified at once (entries numbered as pushes would: the
+        same tops)."""
+        heaps: dict[str | None, list[tuple[int, int, Program]]] = {}
+        seq = self._seq
         for p in held:
-            self.push(p)
+            if p.placement.tier is not Tier.GPU:
+                heaps.setdefault(self._key(p), []).append((p.context_tokens, next(seq), p))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps = heaps
 
     def smallest(self, key: str | None) -> int | None:
         heap = self._heaps.get(key)
