@@ -127,13 +127,15 @@ class HybridPriority:
 
     def rank(self, now: float) -> Rank:
         base = self.inner.rank(now)
-        return lambda p: self._with_priority(base(p), p, now)
+        priority = self.engine.space.priority  # type: ignore[union-attr]
+        return lambda p: _with_priority(base(p), priority(p, now))
 
     def rank_many(self, programs: list[Program], now: float) -> list[tuple]:
         keys = self.inner.rank_many(programs, now)
-        return [self._with_priority(k, p, now) for k, p in zip(keys, programs, strict=True)]
+        priority = self.engine.space.priority  # type: ignore[union-attr]
+        return [_with_priority(k, priority(p, now)) for k, p in zip(keys, programs, strict=True)]
 
-    def _with_priority(self, key: tuple, p: Program, now: float) -> tuple:
-        """The inner key with the app's hybrid priority after the client's."""
-        priority = self.engine.space.priority(p, now)  # type: ignore[union-attr]
-        return (*key[:2], -priority, *key[2:])
+
+def _with_priority(key: tuple, priority: float) -> tuple:
+    """An inner key with an app's hybrid priority after the client's."""
+    return (*key[:2], -priority, *key[2:])
