@@ -334,3 +334,25 @@ def test_a_step_in_flight_held_under_a_second_strains_the_door():
     calm = gain_adds(200.2)  # held 0.2 s: no strain yet, the gain rises
     assert calm > held
     assert gain_adds(200.45) < calm  # held 0.45 s: strained, the gain falls
+
+
+def test_a_measured_round_trip_to_the_replica_opens_the_door_by_what_it_takes_off():
+    """Two programs in flight reason 2/3 of the time as the router counts it (1 s steps, a
+    1 s tool call between): 2 x 600 x 2/3 = 800 of load against a door of 720, so a start
+    waits. Half of each step was the round trip to the replica (measured: the engine ran
+    it 0.5 s), so the engine ran each a third of the time: 400 of load, and it is let in."""
+
+    def start_let_in(engine_s: float | None) -> bool:
+        policy = make(gpu=800, door_load=0.9, door_gain_min=1.0)
+        for pid in ("a", "b"):
+            for t in (0.0, 2.0):
+                policy.on_request(pid, t, 200)
+                if engine_s is not None:
+                    policy.observe_round_trip(pid, t + 1.0, engine_s)
+                policy.on_response(pid, t + 1.0, 200)
+        policy.on_request("d", 3.5, 100)
+        return policy.route("d") == "r0"
+
+    assert not start_let_in(None)
+    assert not start_let_in(1.0)  # all of the step at the engine: no round trip
+    assert start_let_in(0.5)

@@ -1,5 +1,7 @@
 """Windowed idleness (MORI 4.2) on the Program record."""
 
+import pytest
+
 from router.policy.program import Program
 from router.policy.types import Status
 
@@ -53,3 +55,16 @@ def test_cancel_restores_acting_without_gate_time():
     p.cancel_request(t + 50.0)
     assert p.status is Status.ACTING and not p.pending
     assert abs(p.idleness(t + 50.0) - 0.75) < 1e-9
+
+
+def test_engine_share_takes_the_round_trip_off_each_step():
+    """The share of time the engine ran a program: its reasoning share, less the round trip
+    to its replica per step (the router counts it as reasoning); with no round trip it is
+    1 - idleness, and a program with no history counts whole."""
+    assert Program("n", created_s=0.0).engine_share(5.0, 0.5) == 1.0
+    p = Program("p", created_s=0.0, window=4)
+    t = cycle(p, 0.0, 1.0)  # reason 1 s, act 1 s, reason 1 s: 2/3 reasoning
+    t = cycle(p, t + 1.0, 1.0)
+    assert p.engine_share(t, 0.0) == 1.0 - p.idleness(t) == pytest.approx(2 / 3)
+    assert p.engine_share(t, 0.25) == pytest.approx(2 / 3 * 0.75)
+    assert p.engine_share(t, 2.0) == 0.0  # all of it on the wire

@@ -224,3 +224,17 @@ def test_the_predictor_forgets_its_choice_of_distribution_when_it_learns():
         [predictor.stays_p(None, "bash", a, 1.0) for a in (0.0, 5.0)],
     )
     assert predictor.remaining_s(None, "bash", 0.0) == pytest.approx(2.0, rel=0.1)
+
+
+def test_the_round_trip_is_unknown_until_measured_then_follows_its_median():
+    """0 (the router in the engine) until a step's round trip was seen; then the samples'
+    median: one slow step in four does not move it far."""
+    prices = ReplicaPrices.starting(1e-4, 1e-5, attention_tokens=FLAT)
+    assert prices.round_trip_s == 0.0 and "round_trip_s" not in prices.view()
+    prices.observe_round_trip(-0.001)  # a clock's noise: no sample
+    assert prices.round_trip_s == 0.0
+    rng = random.Random(3)
+    for _ in range(400):
+        prices.observe_round_trip(1.0 if rng.random() < 0.25 else rng.uniform(0.004, 0.006))
+    assert 0.004 < prices.round_trip_s < 0.0065
+    assert prices.view()["round_trip_s"] == round(prices.round_trip_s, 5)

@@ -141,6 +141,29 @@ def test_streamed_answers_price_the_replica(base):
         httpx.post(f"{base}/v1/programs/{pid}/end").raise_for_status()  # the engines forget
 
 
+def test_streamed_answers_measure_the_round_trip_to_the_replica(base):
+    """A streamed step's time from the gate letting it in to its answer at the router,
+    less what the data plane timed at the engine, is the round trip the door's load
+    discounts: measured per replica, shown in /v1/replicas and on /metrics."""
+    c = client(base)
+    for i in range(4):
+        stream = c.chat.completions.create(**chat(f"trip-{i}", f"{i} hello"), stream=True)
+        assert [chunk for chunk in stream]
+    deadline = time.monotonic() + 5  # an attempt's report may trail the answer by ms
+    measured: dict[str, float] = {}
+    while not measured and time.monotonic() < deadline:
+        reps = httpx.get(base + "/v1/replicas").json()["data"]
+        prices = {r["url"]: r.get("prices", {}) for r in reps}
+        measured = {url: p["round_trip_s"] for url, p in prices.items() if "round_trip_s" in p}
+        time.sleep(0.05)
+    assert measured and all(0.0 < s < 1.0 for s in measured.values()), measured
+    for url, s in measured.items():
+        gauge = metric(base, "mori_replica_round_trip_seconds", replica=url)
+        assert gauge == pytest.approx(s, abs=1e-4)
+    for i in range(4):
+        httpx.post(f"{base}/v1/programs/trip-{i}/end").raise_for_status()
+
+
 def test_completions_and_models(base):
     c = client(base)
     text = c.completions.create(

@@ -274,3 +274,15 @@ def test_the_decode_batch_is_counted_apart_from_the_prefill_batch(test_policies)
     assert extra["decoding_mean"] < extra["running_mean"]
     gap = extra["running_mean"] - extra["decoding_mean"]
     assert gap == pytest.approx(extra["prefill_busy"], abs=0.015)
+
+
+def test_a_modelled_hop_is_measured_as_the_live_shell_measures_it():
+    """With `hop_s` the router hears each step two hops after the engine's time for it:
+    the policy's round trip to its replica comes out as those two hops, as the live
+    shell's would (the gate's admission to the answer, less the engine's part); without a
+    hop none is measured (the router sits in the engine)."""
+    corpus = [prog(f"p{i}", [(2_000, 50, 0, 1.0), (2_300, 40, 2_050, 1.0)] * 3) for i in range(4)]
+    for hop in (0.0, 0.02):
+        sim, _ = run(corpus, policy="mori", concurrency=4, duration_s=60, hop_s=hop)
+        trips = [prices.round_trip_s for prices in sim.policy.prices.values()]
+        assert trips == pytest.approx([2 * hop], rel=0.1), trips

@@ -159,6 +159,8 @@ class Exchange:
             finally:
                 self._book(replica, outcome)
                 now = r.clock()
+                if outcome.step is not None:  # the rest of the step was the round trip
+                    policy.observe_round_trip(pid, now, sum(outcome.step))
                 usage = outcome.usage
                 r.apply(policy.on_response(pid, now, usage.context_tokens))
                 if usage.tool:

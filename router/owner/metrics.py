@@ -58,6 +58,13 @@ class RouterMetrics:
             ["replica", "tier"],
             registry=r,
         )
+        self.round_trip = Gauge(
+            "mori_replica_round_trip_seconds",
+            "median time a step spends between the gate and the replica, both ways, outside "
+            "the engine (what the door's load discounts; 0 before the first streamed answer)",
+            ["replica"],
+            registry=r,
+        )
         self.rounds = Gauge(
             "mori_rounds", "All-Gather rounds with two or more programs in them now", registry=r
         )
@@ -293,6 +300,8 @@ class RouterMetrics:
                 held = sum(p.context_tokens for p in tiers.members(place))
                 self.shared_tokens.labels(replica, tier.value).set(held - tiers.used(place))
             self.replica_healthy.labels(replica).set(1 if tiers.healthy[replica] else 0)
+            prices = policy.prices.get(replica)
+            self.round_trip.labels(replica).set(prices.round_trip_s if prices else 0.0)
         live = policy.rounds.live()
         self.rounds.set(len(live))
         self.round_programs.set(sum(len(pids) for pids in live.values()))

@@ -193,6 +193,19 @@ class Policy(ABC):
         if prices is not None:
             prices.observe(*measured)  # type: ignore[arg-type]
 
+    def observe_round_trip(self, program_id: str, now: float, engine_s: float) -> None:
+        """`program_id`'s step is answered at `now` and took `engine_s` at the engine (timed
+        as near it as the shell can: the worker's send to its last byte). The rest of the
+        time since the gate let it in is the round trip to its replica, which the router
+        counts as reasoning while the engine holds nothing of the program (the door's
+        load: `router.policy.overload`). Before `on_response`."""
+        p = self.programs.get(program_id)
+        if p is None or p.status is not Status.REASONING or p.placement.tier is not Tier.GPU:
+            return
+        prices = self.prices.get(p.placement.replica)  # type: ignore[arg-type]
+        if prices is not None:
+            prices.observe_round_trip(now - p.interval_start - engine_s)
+
     def largest_gpu_budget(self) -> int | None:
         """The largest healthy replica's GPU budget (None: no healthy replica). A request
         with a larger context is refused at once: it would wait at the gate forever."""

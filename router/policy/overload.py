@@ -299,8 +299,9 @@ class WaitBound:
 
     def loads(self, now: float) -> dict[str, float]:
         """The GPU room the programs in flight keep busy on each replica, on average, in
-        tokens: each one's KV over its life (`_footprint`) times the share of its time it
-        spends reasoning (1 - idleness; a program without history counts whole). While it
+        tokens: each one's KV over its life (`_footprint`) times the share of its time the
+        engine runs it (`Program.engine_share`: 1 - idleness less the measured round trip
+        to the replica per step; a program without history counts whole). While it
         stays below the room there is, returning steps find room; past it they queue, and
         the queue is what the wait bound has to break by swapping. Summed over every
         program at a full tick (O(programs)); between ticks a program's share is counted
@@ -322,7 +323,8 @@ class WaitBound:
         its usual share)."""
         self._uncount_load(p.program_id)
         footprint = self._footprint(p)
-        share = footprint * (1.0 - p.idleness(now))
+        prices = self.engine.prices.get(replica)
+        share = footprint * p.engine_share(now, prices.round_trip_s if prices else 0.0)
         self._load_of[p.program_id] = (replica, share, footprint)
         if self.load is not None and replica in self.load:
             self.load[replica] += share

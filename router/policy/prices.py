@@ -63,6 +63,9 @@ class ReplicaPrices:
     load: QuantileTracker
     decode: QuantileTracker
     attention_tokens: float = 30_000.0
+    # the router <-> replica round trip a step spends outside the engine (its median;
+    # None before the first sample): `observe_round_trip`
+    round_trip: QuantileTracker | None = None
 
     @classmethod
     def starting(
@@ -111,11 +114,30 @@ class ReplicaPrices:
         if output_tokens > 8 and decode_s > 0:
             self.decode.observe(decode_s / (output_tokens - 1))
 
+    def observe_round_trip(self, seconds: float) -> None:
+        """One step's time between the gate letting it in and its answer reaching the
+        router, less the engine's part of it. A median, not a low quantile: the hop's
+        delays (event loops, the owner-worker link) are part of what every step pays."""
+        if self.round_trip is None:
+            if seconds > 0 and math.isfinite(seconds):
+                self.round_trip = QuantileTracker(seconds, q=0.5)
+            return
+        self.round_trip.observe(seconds)
+
+    @property
+    def round_trip_s(self) -> float:
+        """The round trip's median so far; 0 before any was seen (the simulator without a
+        modelled hop never sees one: the router sits in the engine)."""
+        return 0.0 if self.round_trip is None else self.round_trip.value
+
     def view(self) -> dict[str, float | int]:
-        """For the admin API and reports."""
-        return {
+        """For the admin API and reports (the round trip once one was measured)."""
+        view: dict[str, float | int] = {
             "prefill_tokens_per_s": round(1.0 / self.prefill.value, 1),
             "load_tokens_per_s": round(1.0 / self.load.value, 1),
             "decode_step_s": round(self.decode.value, 5),
             "samples": self.prefill.samples + self.load.samples,
         }
+        if self.round_trip is not None:
+            view["round_trip_s"] = round(self.round_trip.value, 5)
+        return view

@@ -71,6 +71,19 @@ class Program:
         total = reasoning + acting
         return acting / total if total > 0 else 0.0
 
+    def engine_share(self, now: float, round_trip_s: float) -> float:
+        """Share of recent time the engine ran this program: its reasoning share less
+        `round_trip_s` per step of the window. The router counts a step from the gate
+        letting it in to the answer coming back; a replica a round trip away ran it that
+        much less (1 - idleness with none; a program with no history counts whole)."""
+        busy = 1.0 - self.idleness(now)
+        if round_trip_s <= 0.0 or self.steps == 0:
+            return busy
+        earlier = list(self.cycles)[1:] if len(self.cycles) == self.window else self.cycles
+        reasoning = [r for r, _ in earlier] + [self.reasoning_s]
+        mean = sum(reasoning) / len(reasoning)
+        return busy * max(0.0, 1.0 - round_trip_s / mean) if mean > 0.0 else busy
+
     def _window_sums(self) -> tuple[float, float, float, float]:
         """Cycle sums; the oldest cycle leaves the window while a new one is under way."""
         all_r = sum(r for r, _ in self.cycles)
