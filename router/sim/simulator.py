@@ -596,8 +596,8 @@ class Simulation:
                 req.replica, st.input_tokens, *req.cached, first - req.forwarded,
                 st.output_tokens, ev.t + hop - first,
             )  # fmt: skip
-        if hop > 0:  # the engine's part, as the live shell's worker times it beside it
-            self.policy.observe_round_trip(client.pid, self.now, ev.t - req.forwarded - hop)
+            if hop > 0:  # the engine's part, as the live shell's worker times it beside it
+                self.policy.observe_round_trip(client.pid, self.now, ev.t - req.forwarded - hop)
         self._record(req, first, ev.t + hop, ev.ok)
         usage = st.input_tokens + st.output_tokens if ev.ok else None
         self._policy_call(self.policy.on_response(client.pid, self.now, usage))
