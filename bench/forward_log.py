@@ -81,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset-file", type=Path, required=True, help="the prices to judge by")
     parser.add_argument("--json", type=Path, help="write the summaries here")
     args = parser.parse_args(argv)
-    cost = CostModel(read_preset(args.preset_file))
+    try:  # a wrong path or file is a usage error in one line, not a traceback
+        cost = CostModel(read_preset(args.preset_file))
+        logs = [(path, read_forwards(path)) for path in args.logs]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(str(e))
     console = Console(width=140)
     out = {}
-    for path in args.logs:
-        forwards = read_forwards(path)
+    for path, forwards in logs:
         if not forwards:
             console.print(f"{path}: no forwards")
             continue

@@ -137,3 +137,16 @@ def test_policy_matrix_refuses_a_bad_knob_before_it_simulates() -> None:
         argv = [sys.executable, "bench/policy_matrix.py", *cell, *extra]
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
+
+
+def test_forward_log_says_in_one_line_what_is_not_a_forward_log(tmp_path: Path) -> None:
+    """A path with no forward log, or a file that is not one, is a usage error (exit 2)
+    naming it, not a traceback."""
+    preset = ROOT / "bench" / "results" / "2026-11-29-cpu-512x8.json"
+    garbage = tmp_path / "x.forwards"
+    garbage.write_text("not json\n")
+    for path, said in ((tmp_path / "none.forwards", "no forward log"), (garbage, "Expecting")):
+        argv = [sys.executable, "bench/forward_log.py", str(path), "--preset-file", str(preset)]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
