@@ -139,5 +139,5 @@ class ReplicaPrices:
             "samples": self.prefill.samples + self.load.samples,
         }
         if self.round_trip is not None:
-            view["round_trip_s"] = round(self.round_trip.value, 5)
+            view["round_trip_s"] = round(self.round_trip_s, 5)
         return view

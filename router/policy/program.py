@@ -79,9 +79,9 @@ class Program:
         busy = 1.0 - self.idleness(now)
         if round_trip_s <= 0.0 or self.steps == 0:
             return busy
-        earlier = list(self.cycles)[1:] if len(self.cycles) == self.window else self.cycles
-        reasoning = [r for r, _ in earlier] + [self.reasoning_s]
-        mean = sum(reasoning) / len(reasoning)
+        sums = self._sums if self._sums is not None else self._window_sums()
+        steps = min(len(self.cycles), self.window - 1) + 1  # the window's, this one's too
+        mean = (sums[2] + self.reasoning_s) / steps
         return busy * max(0.0, 1.0 - round_trip_s / mean) if mean > 0.0 else busy
 
     def _window_sums(self) -> tuple[float, float, float, float]:
