@@ -95,7 +95,7 @@ class OwnerAsk(Protocol):
 
     async def next(self, seq: int) -> tuple[int, Any]: ...
 
-    def report(self, seq: int, outcome: Outcome, retry: bool = False) -> None: ...
+    def report(self, seq: int, outcome: Outcome) -> None: ...
 
     def cancel(self, seq: int) -> None: ...
 
@@ -179,7 +179,7 @@ class Relay:
                     raise value
                 attempting = True
                 outcome = await self._attempt(value, prepared, headers)
-                link.report(seq, outcome, retry=outcome.retry is not None)
+                link.report(seq, outcome)
                 attempting = False
                 if outcome.retry is None:
                     return

@@ -78,9 +78,9 @@ class OwnerLink:
         future = self._waiting[seq] = asyncio.get_running_loop().create_future()
         return await future
 
-    def report(self, seq: int, outcome: Outcome, retry: bool = False) -> None:
-        """An attempt's outcome; urgent only when the request waits for the next word."""
-        self.link.send((ATTEMPT, seq, outcome), urgent=retry)
+    def report(self, seq: int, outcome: Outcome) -> None:
+        """An attempt's outcome (a retry's request waits for the owner's next word)."""
+        self.link.send((ATTEMPT, seq, outcome))
 
     def cancel(self, seq: int) -> None:
         self.link.send((CANCEL, seq))

@@ -5,9 +5,11 @@ A worker asks the owner once per request (`GO`, answered by `ROUTE` or `ERROR`) 
 reports each attempt (`ATTEMPT`); the owner tells every worker about drains and rejoins.
 Messages are tuples whose first item is a kind below, pickled (both ends are this
 program, on a private socketpair). Writes made in one loop turn go out in one `write`,
-so under load one system call carries many messages in each direction; an attempt's
-report, which nobody waits for, rides along with the next request's `GO` (or goes
-after LAZY_S), so a closed-loop client costs one write to the owner per request.
+so under load one system call carries many messages in each direction. An attempt's
+report goes at the end of its loop turn too, though nobody waits for it: the owner acts
+on a step's end (the door lets a start in, the hints move the program's KV), and a
+report held for a later request's `GO` held all of that up by the wait
+(bench/results/2026-12-03-link-reports.md).
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ class Outcome:
 
 
 _LENGTH = struct.Struct("!I")
-LAZY_S = 0.002  # the longest a report waits to share a write with an urgent message
 
 
 class Link(asyncio.Protocol):
@@ -90,32 +91,25 @@ class Link(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._out: list[bytes] = []
         self._soon = False  # a flush is scheduled for this loop turn
-        self._later: asyncio.TimerHandle | None = None  # the flush of lazy messages
         self._buffer = b""
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def send(self, message: tuple[Any, ...], urgent: bool = True) -> None:
-        """Queue a message for the end of this loop turn; one that is not `urgent` (a
-        report nobody waits for) waits up to LAZY_S for an urgent one to ride along with."""
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Queue a message for the end of this loop turn (one write carries the turn's)."""
         if self.closed:
             return
         frame = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
         self._out.append(_LENGTH.pack(len(frame)))
         self._out.append(frame)
-        if urgent and not self._soon:
+        if not self._soon:
             self._soon = True
             asyncio.get_running_loop().call_soon(self._flush)
-        elif not urgent and self._later is None:
-            self._later = asyncio.get_running_loop().call_later(LAZY_S, self._flush)
 
     def _flush(self) -> None:
         self._soon = False
-        if self._later is not None:
-            self._later.cancel()
-            self._later = None
         out, self._out = self._out, []
         if out and self.transport is not None and not self.closed:
             self.transport.write(b"".join(out))
@@ -149,7 +143,7 @@ class LocalLink:
     def __init__(self) -> None:
         self.deliver: Callable[[tuple[Any, ...]], None] = lambda message: None
 
-    def send(self, message: tuple[Any, ...], urgent: bool = True) -> None:
+    def send(self, message: tuple[Any, ...]) -> None:
         self.deliver(message)
 
     def close(self) -> None:
