@@ -150,3 +150,17 @@ def test_forward_log_says_in_one_line_what_is_not_a_forward_log(tmp_path: Path) 
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and said in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_emulator_hop_measures_each_step_beyond_the_engines_time() -> None:
+    """Two programs of two steps on a real `mori emulate`: four steps measured, and the
+    wall time a step took beyond its engine's is positive (the answer cannot come back
+    before the engine is done)."""
+    done = subprocess.run(
+        [sys.executable, "bench/emulator_hop.py", "--programs", "2", "--steps", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if " n " in line).split()
+    assert row[row.index("n") + 1] == "4"
+    assert float(row[row.index("mean") + 1]) > 0

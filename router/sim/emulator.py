@@ -39,6 +39,7 @@ from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG
 from router.replay import prompts
 from router.sim import anthropic
 from router.sim import model as cost_model
+from router.sim.alarm import Alarm
 from router.wire.errors import ApiError
 
 log = logging.getLogger("mori.emulate")
@@ -255,26 +256,39 @@ class EmulatedReplica:
 
     # driver ---------------------------------------------------------------------------
     async def drive(self) -> None:
-        """Advance the engine at its next event (or every tick while tokens stream)."""
-        while True:
-            timeout = self._sleep_s()
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            self._wake.clear()
-            self._step()
+        """Advance the engine at its next event (or every tick while tokens stream), woken
+        by an `Alarm` at the event's wall time: asyncio's own sleep rounds up to the next
+        millisecond, and each answer left that much late."""
+        alarm = Alarm(asyncio.get_running_loop(), self._wake.set)
+        try:
+            while True:
+                alarm.set(self._deadline())
+                await self._wake.wait()
+                self._wake.clear()
+                self._step()
+        finally:
+            alarm.close()
 
-    def _sleep_s(self) -> float | None:
+    def _deadline(self) -> float | None:
+        """The wall (monotonic) time of the engine's next event, or of the next chunk while
+        a stream decodes; None: nothing to do until a request comes."""
         t = self.engine.next_event_time()
-        sleep = None if t is None else max(0.0, (t - self.now()) / self.time_scale)
+        deadline = None if t is None else self._t0 + t / self.time_scale
         if any(f.first_token and not f.done for f in self.flights.values()):
-            sleep = STREAM_TICK_S if sleep is None else min(sleep, STREAM_TICK_S)
-        return sleep
+            tick = time.monotonic() + STREAM_TICK_S
+            deadline = tick if deadline is None else min(deadline, tick)
+        return deadline
 
     def _step(self) -> None:
+        """Advance the engine to now; the handlers of requests with an event (a first
+        token, an end) are woken first, then every stream for its new tokens: an answer's
+        end does not wait behind a dozen handlers' chunks."""
+        woken: dict[str, Flight] = {}
         for event in self.engine.advance(self._clock()):
             flight = self.flights.get(event.rid)
             if flight is None:
                 continue
+            woken[event.rid] = flight
             if isinstance(event, cost_model.FirstToken):
                 flight.first_token = True
                 flight.cached_device = event.cached_device
@@ -284,6 +298,8 @@ class EmulatedReplica:
                 flight.first_token = flight.done = True
                 flight.times.setdefault("first", event.t)
                 flight.times["done"] = event.t
+        for flight in woken.values():
+            flight.changed.set()
         for flight in self.flights.values():
             flight.changed.set()
 

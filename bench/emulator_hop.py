@@ -1,0 +1,138 @@
+"""The hop an emulated replica adds to each step: its answer's end, as a client sees it, after
+the engine's own time for the request.
+
+    python bench/emulator_hop.py                             # this tree
+    python bench/emulator_hop.py --trees /tmp/parent . --rounds 2   # A/B, interleaved
+
+`mori emulate` answers on its engine's clock (`ReplicaEngine`, x `--time-scale`); whatever
+wall time a step takes beyond the engine's (its HTTP path, the driver waking late) is a hop
+no engine has, and at the demo's x5 it counts five times over in trace time: the live
+stack's loss against `mori sim` (docs/simulator.md, "The hop"). Per step this measures the
+client's wall time from sending the request to the stream's `[DONE]`, less the engine's
+arrived-to-done time (`mori_engine_times`) / the time scale. Closed-loop streaming clients
+(httpx, one process; the replica in another), short tool sleeps between steps. A tree is a
+checkout (or a `git archive` of one) holding `router/`; its `mori emulate` is what runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from router.demo import free_port  # noqa: E402
+from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG  # noqa: E402
+
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from tick_bench import machine  # noqa: E402
+
+
+def start(tree: Path, port: int, time_scale: float) -> subprocess.Popen:
+    """The tree's `mori emulate` on `port`, once it answers /health."""
+    argv = [sys.executable, "-m", "router.cli", "emulate", "--port", str(port)]
+    argv += ["--time-scale", str(time_scale), "--gpu-tokens", "16000", "--log-level", "warning"]
+    proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"mori emulate in {tree} exited: {proc.stderr.read().decode()[-400:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"mori emulate in {tree} did not come up in 60 s")
+
+
+async def _agent(client: httpx.AsyncClient, k: int, steps: int, scale: float) -> list[float]:
+    """One closed-loop program: `steps` streamed steps; each step's extra wall ms."""
+    rng, extra, context = random.Random(k), [], "x" * 4 * rng_tokens(k)
+    for _ in range(steps):
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": context}],
+            "max_tokens": rng.randint(20, 300),
+            "stream": True,
+            "user": f"p{k}",
+            CACHE_DETAILS_FLAG: True,
+            ENGINE_TIMES_FLAG: True,
+        }
+        sent, times = time.monotonic(), None
+        async with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+            async for line in answer.aiter_lines():
+                if line.startswith("data: {") and "engine_times" in line:
+                    times = json.loads(line[6:]).get("sglext", {}).get("engine_times")
+                if line == "data: [DONE]":
+                    break
+        ended = time.monotonic()
+        if times:
+            extra.append(1000 * ((ended - sent) - (times["done"] - times["arrived"]) / scale))
+        context += "y" * 4 * rng.randint(100, 600)
+        await asyncio.sleep(rng.uniform(0.02, 0.3))
+    return extra
+
+
+def rng_tokens(k: int) -> int:
+    return random.Random(1000 + k).randint(500, 3000)
+
+
+async def measure(port: int, programs: int, steps: int, scale: float) -> list[float]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        runs = await asyncio.gather(*(_agent(client, k, steps, scale) for k in range(programs)))
+    return [ms for run in runs for ms in run]
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    mean = statistics.fmean(ordered)
+    return {"n": len(ordered), "mean": mean, "p50": pick(0.5), "p90": pick(0.9)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", nargs="+", type=Path, default=[Path(".")])
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each tree, interleaved")
+    parser.add_argument("--programs", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=15, help="steps per program and run")
+    parser.add_argument("--time-scale", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    if any(not (t / "router").is_dir() for t in args.trees):
+        parser.error("each of --trees must hold router/ (a checkout or a git archive of one)")
+    got: dict[Path, list[float]] = {t: [] for t in args.trees}
+    for _ in range(args.rounds):
+        for tree in args.trees:
+            port = free_port()
+            proc = start(tree, port, args.time_scale)
+            try:
+                got[tree] += asyncio.run(measure(port, args.programs, args.steps, args.time_scale))
+            finally:
+                proc.terminate()
+                proc.wait(10)
+    print(f"{date.today().isoformat()}, {machine()}, x{args.time_scale}, {args.programs} programs")
+    print("wall ms a step beyond the engine's time (send -> [DONE])")
+    first = None
+    for tree, samples in got.items():
+        s = summary(samples)
+        first = first or s
+        print(
+            f"  {str(tree):24} n {s['n']:4}  mean {s['mean']:6.3f}  p50 {s['p50']:6.3f}  "
+            f"p90 {s['p90']:6.3f}  mean / first tree's {s['mean'] / first['mean']:.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
