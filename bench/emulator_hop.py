@@ -1,17 +1,20 @@
-"""The hop an emulated replica adds to each step: its answer's end, as a client sees it, after
-the engine's own time for the request.
+"""The hop an emulated replica adds to each step: the wall time a step takes, as a client
+sees it, beyond the engine's own time for the request, split into its two legs.
 
-    python bench/emulator_hop.py                             # this tree
-    python bench/emulator_hop.py --trees /tmp/parent . --rounds 2   # A/B, interleaved
+    python bench/emulator_hop.py                                    # this tree
+    python bench/emulator_hop.py --trees /tmp/parent . --rounds 3   # A/B, interleaved
 
 `mori emulate` answers on its engine's clock (`ReplicaEngine`, x `--time-scale`); whatever
-wall time a step takes beyond the engine's (its HTTP path, the driver waking late) is a hop
-no engine has, and at the demo's x5 it counts five times over in trace time: the live
-stack's loss against `mori sim` (docs/simulator.md, "The hop"). Per step this measures the
-client's wall time from sending the request to the stream's `[DONE]`, less the engine's
-arrived-to-done time (`mori_engine_times`) / the time scale. Closed-loop streaming clients
-(httpx, one process; the replica in another), short tool sleeps between steps. A tree is a
-checkout (or a `git archive` of one) holding `router/`; its `mori emulate` is what runs.
+wall time a step takes beyond the engine's (the HTTP path both ways, the driver waking
+after the engine's event) is a hop no engine has, and at the demo's x5 it counts five times
+over in trace time: the live stack's loss against `mori sim` (docs/simulator.md, "The
+hop"). Per step: `in`, from sending the request to the engine's arrival; `out`, from the
+engine's end to the stream's `[DONE]`; `total`, the step's wall time less its engine time
+(arrived to done, `mori_engine_times`, / the time scale). The legs need the engine clock's
+origin (`clock_origin_s` in `/get_server_info`; a tree without it gives `total` only).
+Closed-loop streaming clients (httpx, one process; the replica in another), short tool
+sleeps between steps. A tree is a checkout (or a `git archive` of one) holding `router/`;
+its `mori emulate` is what runs.
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ def start(tree: Path, port: int, time_scale: float) -> subprocess.Popen:
     raise SystemExit(f"mori emulate in {tree} did not come up in 60 s")
 
 
-async def _agent(client: httpx.AsyncClient, k: int, steps: int, scale: float) -> list[float]:
-    """One closed-loop program: `steps` streamed steps; each step's extra wall ms."""
+async def _agent(
+    client: httpx.AsyncClient, k: int, steps: int, scale: float, origin: float | None
+) -> list[Leg]:
+    """One closed-loop program: `steps` streamed steps; each step's wall ms beyond the
+    engine's time: (total, in, out), the legs None without the clock's origin."""
     rng, extra, context = random.Random(k), [], "x" * 4 * rng_tokens(k)
-    for _ in range(steps):
+    for step in range(steps + 1):  # the first warms the path (imports, connections)
         body = {
             "model": "default",
             "messages": [{"role": "user", "content": context}],
@@ -77,20 +83,31 @@ async def _agent(client: httpx.AsyncClient, k: int, steps: int, scale: float) ->
                 if line == "data: [DONE]":
                     break
         ended = time.monotonic()
-        if times:
-            extra.append(1000 * ((ended - sent) - (times["done"] - times["arrived"]) / scale))
+        if times and step > 0:
+            total = 1000 * ((ended - sent) - (times["done"] - times["arrived"]) / scale)
+            if origin is None:
+                extra.append((total, None, None))
+            else:
+                arrived, done = (origin + times[k] / scale for k in ("arrived", "done"))
+                extra.append((total, 1000 * (arrived - sent), 1000 * (ended - done)))
         context += "y" * 4 * rng.randint(100, 600)
         await asyncio.sleep(rng.uniform(0.02, 0.3))
     return extra
+
+
+Leg = tuple[float, float | None, float | None]  # wall ms: total, in, out
 
 
 def rng_tokens(k: int) -> int:
     return random.Random(1000 + k).randint(500, 3000)
 
 
-async def measure(port: int, programs: int, steps: int, scale: float) -> list[float]:
+async def measure(port: int, programs: int, steps: int, scale: float) -> list[Leg]:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-        runs = await asyncio.gather(*(_agent(client, k, steps, scale) for k in range(programs)))
+        origin = (await client.get("/get_server_info")).json().get("clock_origin_s")
+        runs = await asyncio.gather(
+            *(_agent(client, k, steps, scale, origin) for k in range(programs))
+        )
     return [ms for run in runs for ms in run]
 
 
@@ -106,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", nargs="+", type=Path, default=[Path(".")])
     parser.add_argument("--rounds", type=int, default=1, help="runs of each tree, interleaved")
     parser.add_argument("--programs", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=15, help="steps per program and run")
+    parser.add_argument("--steps", type=int, default=15, help="steps measured per program and run")
     parser.add_argument("--time-scale", type=float, default=5.0)
     args = parser.parse_args(argv)
     if any(not (t / "router").is_dir() for t in args.trees):
         parser.error("each of --trees must hold router/ (a checkout or a git archive of one)")
-    got: dict[Path, list[float]] = {t: [] for t in args.trees}
+    got: dict[Path, list[Leg]] = {t: [] for t in args.trees}
     for _ in range(args.rounds):
         for tree in args.trees:
             port = free_port()
@@ -122,15 +139,21 @@ def main(argv: list[str] | None = None) -> int:
                 proc.terminate()
                 proc.wait(10)
     print(f"{date.today().isoformat()}, {machine()}, x{args.time_scale}, {args.programs} programs")
-    print("wall ms a step beyond the engine's time (send -> [DONE])")
+    print("wall ms a step takes beyond its engine time: total, and its legs (send -> engine")
+    print("arrival, engine done -> [DONE])")
     first = None
     for tree, samples in got.items():
-        s = summary(samples)
-        first = first or s
-        print(
-            f"  {str(tree):24} n {s['n']:4}  mean {s['mean']:6.3f}  p50 {s['p50']:6.3f}  "
-            f"p90 {s['p90']:6.3f}  mean / first tree's {s['mean'] / first['mean']:.2f}"
-        )
+        for i, leg in enumerate(("total", "in", "out")):
+            values = [s[i] for s in samples if s[i] is not None]
+            if not values:
+                continue
+            s = summary(values)
+            first = first or s
+            ratio = f"  mean / first tree's {s['mean'] / first['mean']:.2f}" if i == 0 else ""
+            print(
+                f"  {str(tree):24} {leg:5} n {s['n']:4}  mean {s['mean']:6.3f}  "
+                f"p50 {s['p50']:6.3f}  p90 {s['p90']:6.3f}{ratio}"
+            )
     return 0
 
 

@@ -39,7 +39,6 @@ from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG
 from router.replay import prompts
 from router.sim import anthropic
 from router.sim import model as cost_model
-from router.sim.alarm import Alarm
 from router.wire.errors import ApiError
 
 log = logging.getLogger("mori.emulate")
@@ -237,7 +236,7 @@ class EmulatedReplica:
         self.epoch = -1
         # program -> the text its next prompt should start with (last prompt + answer)
         self.contexts: OrderedDict[str, str] = OrderedDict()
-        self._t0 = time.monotonic()
+        self.origin_s = time.monotonic()  # engine time 0, on the monotonic clock
         self._wake = asyncio.Event()
         self._active_area = 0.0  # integral of device tokens held by running requests
         self._area_t = 0.0
@@ -252,43 +251,30 @@ class EmulatedReplica:
 
     def now(self) -> float:
         """The engine's clock: wall seconds since start times the time scale."""
-        return (time.monotonic() - self._t0) * self.time_scale
+        return (time.monotonic() - self.origin_s) * self.time_scale
 
     # driver ---------------------------------------------------------------------------
     async def drive(self) -> None:
-        """Advance the engine at its next event (or every tick while tokens stream), woken
-        by an `Alarm` at the event's wall time: asyncio's own sleep rounds up to the next
-        millisecond, and each answer left that much late."""
-        alarm = Alarm(asyncio.get_running_loop(), self._wake.set)
-        try:
-            while True:
-                alarm.set(self._deadline())
-                await self._wake.wait()
-                self._wake.clear()
-                self._step()
-        finally:
-            alarm.close()
+        """Advance the engine at its next event (or every tick while tokens stream)."""
+        while True:
+            timeout = self._sleep_s()
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self._step()
 
-    def _deadline(self) -> float | None:
-        """The wall (monotonic) time of the engine's next event, or of the next chunk while
-        a stream decodes; None: nothing to do until a request comes."""
+    def _sleep_s(self) -> float | None:
         t = self.engine.next_event_time()
-        deadline = None if t is None else self._t0 + t / self.time_scale
+        sleep = None if t is None else max(0.0, (t - self.now()) / self.time_scale)
         if any(f.first_token and not f.done for f in self.flights.values()):
-            tick = time.monotonic() + STREAM_TICK_S
-            deadline = tick if deadline is None else min(deadline, tick)
-        return deadline
+            sleep = STREAM_TICK_S if sleep is None else min(sleep, STREAM_TICK_S)
+        return sleep
 
     def _step(self) -> None:
-        """Advance the engine to now; the handlers of requests with an event (a first
-        token, an end) are woken first, then every stream for its new tokens: an answer's
-        end does not wait behind a dozen handlers' chunks."""
-        woken: dict[str, Flight] = {}
         for event in self.engine.advance(self._clock()):
             flight = self.flights.get(event.rid)
             if flight is None:
                 continue
-            woken[event.rid] = flight
             if isinstance(event, cost_model.FirstToken):
                 flight.first_token = True
                 flight.cached_device = event.cached_device
@@ -298,8 +284,6 @@ class EmulatedReplica:
                 flight.first_token = flight.done = True
                 flight.times.setdefault("first", event.t)
                 flight.times["done"] = event.t
-        for flight in woken.values():
-            flight.changed.set()
         for flight in self.flights.values():
             flight.changed.set()
 
@@ -662,7 +646,9 @@ def create_app(replica: EmulatedReplica) -> FastAPI:
         usage = replica.engine.usage() | {
             k: replica.engine.stats[k] for k in ("admitted", "queue_wait_s")
         }
-        return replica.info | {"mori_usage": usage}
+        # the engine clock's origin on this machine's monotonic clock: a client on the same
+        # machine maps the answers' engine times to its own (bench/emulator_hop.py)
+        return replica.info | {"mori_usage": usage, "clock_origin_s": replica.origin_s}
 
     @app.get("/v1/models")
     async def models() -> dict:
