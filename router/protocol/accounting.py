@@ -52,6 +52,9 @@ class Usage:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     cached_device: int | None = None  # sglext.cached_tokens_details (sent only on a hit)
     cached_host: int | None = None
+    # sglext.engine_times (an engine that reports them: the emulator): the engine's own
+    # wall seconds for the call, arrival to end, without the HTTP path either way
+    engine_s: float | None = None
 
     @property
     def context_tokens(self) -> int | None:
@@ -94,16 +97,34 @@ def openai_usage(doc: dict[str, Any], usage: Usage) -> None:
         details = u.get("prompt_tokens_details")
         if isinstance(details, dict):
             usage.cached_tokens = _int(details.get("cached_tokens"))
-    cache_split(doc, usage)
+    fold_sglext(doc, usage)
 
 
-def cache_split(doc: dict[str, Any], usage: Usage) -> None:
-    """Fold SGLang's device/host split (`sglext.cached_tokens_details`) into `usage`."""
+def fold_sglext(doc: dict[str, Any], usage: Usage) -> None:
+    """Fold SGLang's `sglext` into `usage`: the device/host split of the cached prompt
+    (`cached_tokens_details`) and, where the engine reports it, its own time for the call
+    (`engine_times`: its clock's arrival and end, over its time scale)."""
     ext = doc.get("sglext")
-    split = ext.get("cached_tokens_details") if isinstance(ext, dict) else None
+    if not isinstance(ext, dict):
+        return
+    split = ext.get("cached_tokens_details")
     if isinstance(split, dict):
         usage.cached_device = _int(split.get("device")) or 0
         usage.cached_host = _int(split.get("host")) or 0
+    times = ext.get("engine_times")
+    if isinstance(times, dict):
+        usage.engine_s = _engine_s(times)
+
+
+def _engine_s(times: dict[str, Any]) -> float | None:
+    """Wall seconds from `arrived` to `done` on an engine clock running `time_scale` times
+    real time; None unless all three are numbers and the span is not negative."""
+    arrived, done, scale = (times.get(k) for k in ("arrived", "done", "time_scale"))
+    numbers = (arrived, done, scale)
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in numbers):
+        return None
+    span = (done - arrived) / scale if scale > 0 else -1.0
+    return span if span >= 0 else None
 
 
 def without_sglext(content: bytes) -> bytes:
@@ -261,7 +282,7 @@ def anthropic_doc(doc: dict[str, Any], usage: Usage) -> None:
     message = doc.get("message") if doc.get("type") == "message_start" else doc
     if isinstance(message, dict):
         anthropic_usage(message.get("usage"), usage)
-    cache_split(doc, usage)
+    fold_sglext(doc, usage)
 
 
 def anthropic_body(content: bytes) -> Usage:

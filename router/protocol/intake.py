@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from router.policy.labels import LabelError, check_label
 from router.policy.types import NO_HINTS, AgentHints
 from router.protocol import identity
-from router.protocol.accounting import CACHE_DETAILS_FLAG
+from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG
 from router.protocol.agent_identity import Anchor, anchor_of
 from router.protocol.sanitize import header_text
 from router.protocol.segments import RawSegment, prompt_segments
@@ -233,6 +233,9 @@ def prepare(kind: str, raw: bytes, hints: Hints) -> Prepared:
     body["session_id"] = program_id
     body["rid"] = rid
     body[CACHE_DETAILS_FLAG] = True  # SGLang's device/host split, for the hit counts
+    # the engine's own time for the step, where it reports one (the emulator; SGLang ignores
+    # the field): what the round trip to the replica takes off a step (Exchange)
+    body[ENGINE_TIMES_FLAG] = True
     if stream and kind != "messages":  # Anthropic streams always carry their usage
         body["stream_options"] = {**(options or {}), "include_usage": True}
     return Prepared(

@@ -223,6 +223,7 @@ class Flight:
     cached_device: int = 0
     cached_host: int = 0
     times: dict[str, float] = field(default_factory=dict)  # engine clock: arrived, first, done
+    time_scale: float = 1.0  # engine seconds per wall second (the replica's --time-scale)
 
 
 class EmulatedReplica:
@@ -300,7 +301,7 @@ class EmulatedReplica:
                 param="messages" if job.chat else "prompt",
                 code="context_length_exceeded",
             )
-        flight = Flight(job)
+        flight = Flight(job, time_scale=self.time_scale)
         self.flights[job.rid] = flight
         previous = self.contexts.pop(job.program_id, "")
         reused = prompts.common_prefix_tokens(job.prompt_text, previous)
@@ -416,12 +417,13 @@ def _usage(flight: Flight, completion_tokens: int) -> dict:
 def _sglext(flight: Flight) -> dict:
     """SGLang's `sglext` field: the device/host split, only when the request asked for it
     and something was cached (router/protocol/accounting.py reads it); and, asked for with
-    ENGINE_TIMES_FLAG, the request's times on the engine clock."""
+    ENGINE_TIMES_FLAG, the request's times on the engine clock and its time scale (the
+    router takes the engine's own time off a step to measure its round trip)."""
     ext: dict = {}
     if flight.job.cache_details and flight.cached_device + flight.cached_host:
         ext["cached_tokens_details"] = {"device": flight.cached_device, "host": flight.cached_host}
     if flight.job.engine_times:
-        ext["engine_times"] = dict(flight.times)
+        ext["engine_times"] = {**flight.times, "time_scale": flight.time_scale}
     return {"sglext": ext} if ext else {}
 
 
