@@ -68,11 +68,11 @@ def standing_by() -> ApiError:
     )
 
 
-def _engine_s(outcome: Outcome) -> float:
+def _time_in_engine(outcome: Outcome) -> float:
     """A streamed step's time in the engine: its own, where it reports one (the emulator's
     `engine_times`), else the data plane's timing from its request to the answer's end,
-    which holds the HTTP path both ways (at the demo's x5, 3 ms of wall a step on the 2-core
-    VM, bench/emulator_hop.py), so the round trip would count only the owner's side of it."""
+    which holds the HTTP path both ways (~3 ms of wall a step on the 2-core demo VM,
+    bench/emulator_hop.py), so the round trip then counts only the owner's side of it."""
     engine_s = outcome.usage.engine_s
     return engine_s if engine_s is not None else sum(outcome.step or ())
 
@@ -169,7 +169,7 @@ class Exchange:
                 self._book(replica, outcome)
                 now = r.clock()
                 if outcome.step is not None:  # the rest of the step was the round trip
-                    policy.observe_round_trip(pid, now, _engine_s(outcome))
+                    policy.observe_round_trip(pid, now, _time_in_engine(outcome))
                 usage = outcome.usage
                 r.apply(policy.on_response(pid, now, usage.context_tokens))
                 if usage.tool:
