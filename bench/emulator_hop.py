@@ -37,7 +37,9 @@ from router.demo import free_port  # noqa: E402
 from router.protocol.accounting import CACHE_DETAILS_FLAG, ENGINE_TIMES_FLAG  # noqa: E402
 
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from tick_bench import machine  # noqa: E402
+from tick_bench import machine, percentile  # noqa: E402
+
+Leg = tuple[float, float | None, float | None]  # wall ms a step: total, in, out
 
 
 def start(tree: Path, port: int, time_scale: float) -> subprocess.Popen:
@@ -64,7 +66,8 @@ async def _agent(
 ) -> list[Leg]:
     """One closed-loop program: `steps` streamed steps; each step's wall ms beyond the
     engine's time: (total, in, out), the legs None without the clock's origin."""
-    rng, extra, context = random.Random(k), [], "x" * 4 * rng_tokens(k)
+    rng, extra = random.Random(k), []
+    context = "x" * 4 * rng.randint(500, 3000)
     for step in range(steps + 1):  # the first warms the path (imports, connections)
         body = {
             "model": "default",
@@ -88,18 +91,11 @@ async def _agent(
             if origin is None:
                 extra.append((total, None, None))
             else:
-                arrived, done = (origin + times[k] / scale for k in ("arrived", "done"))
+                arrived, done = (origin + times[key] / scale for key in ("arrived", "done"))
                 extra.append((total, 1000 * (arrived - sent), 1000 * (ended - done)))
         context += "y" * 4 * rng.randint(100, 600)
         await asyncio.sleep(rng.uniform(0.02, 0.3))
     return extra
-
-
-Leg = tuple[float, float | None, float | None]  # wall ms: total, in, out
-
-
-def rng_tokens(k: int) -> int:
-    return random.Random(1000 + k).randint(500, 3000)
 
 
 async def measure(port: int, programs: int, steps: int, scale: float) -> list[Leg]:
@@ -112,10 +108,12 @@ async def measure(port: int, programs: int, steps: int, scale: float) -> list[Le
 
 
 def summary(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    mean = statistics.fmean(ordered)
-    return {"n": len(ordered), "mean": mean, "p50": pick(0.5), "p90": pick(0.9)}
+    return {
+        "n": len(samples),
+        "mean": statistics.fmean(samples),
+        "p50": percentile(samples, 0.5),
+        "p90": percentile(samples, 0.9),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
