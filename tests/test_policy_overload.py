@@ -356,3 +356,43 @@ def test_a_measured_round_trip_to_the_replica_opens_the_door_by_what_it_takes_of
     assert not start_let_in(None)
     assert not start_let_in(1.0)  # all of the step at the engine: no round trip
     assert start_let_in(0.5)
+
+
+def test_an_urgent_step_takes_a_program_that_went_into_its_tool_call_since_the_pool_was_ranked():
+    """Urgent steps take their victims from the replica's pool of programs in tool calls,
+    ranked by the first urgent step after a rebalance and kept: a program whose step ends
+    after that joins it, so a later urgent step can take its place."""
+    policy = make(tick_s=1000.0)
+    policy.tick(0.5)  # the one full rebalance: later ticks only serve urgent steps
+    for pid in ("a", "b"):
+        run_step(policy, pid, 0.0, 400)
+        policy.move(policy.programs[pid], WAITING, MoveReason.DEMOTE, 1.5)
+    run_step(policy, "x", 2.0, 500)  # in a tool call
+    policy.on_request("y", 2.5, 500)  # reasoning: not a victim yet
+    assert policy.route("y") == "r0"
+    policy.on_request("a", 4.0, 400)
+    policy.on_request("b", 5.0, 400)
+    policy.tick(4.0 + URGENT)  # a is urgent: the pool is ranked, x leaves for it
+    assert policy.route("a") == "r0" and policy.route("b") is None
+    assert policy.programs["x"].placement.tier is not Tier.GPU
+    policy.on_response("y", 4.0 + URGENT + 0.5, 500)  # y goes into a tool call
+    policy.tick(5.0 + URGENT)  # b is urgent: 100 free, y's 500 can go
+    assert policy.route("b") == "r0"
+    assert policy.programs["y"].placement.tier is not Tier.GPU
+
+
+def test_an_urgent_step_takes_predicted_promoted_programs_last():
+    """Of the programs in tool calls, those promoted ahead of a predicted tool end go last,
+    whatever their expected return: an urgent step takes the others first."""
+    policy = make(tick_s=1000.0)
+    policy.tick(0.5)
+    run_step(policy, "a", 0.0, 400)
+    policy.move(policy.programs["a"], WAITING, MoveReason.DEMOTE, 1.5)
+    for pid in ("far", "near"):
+        run_step(policy, pid, 2.0, 500)
+    policy.timed.protected_until["far"] = 1e9  # as a predictive promotion marks it
+    policy.on_request("a", 4.0, 400)
+    policy.tick(4.0 + URGENT)
+    assert policy.route("a") == "r0"
+    assert policy.programs["far"].placement == GPU0
+    assert policy.programs["near"].placement.tier is not Tier.GPU

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from itertools import accumulate, count
 
 from router.policy.ordering import Idleness, held_class
@@ -38,15 +38,9 @@ AGED, RELOAD, FRESH = "aged", "reload", "fresh"  # priced pools, by what the req
 _Entry = tuple[float, int, Program, float, int]
 
 
-def in_tool_call(q: Program) -> bool:
-    """Whether `q` is ACTING and not marked to leave after its step: one a move may take
-    off the GPU (victim pools, an urgent step's victims)."""
-    return q.status is Status.ACTING and q.demote_after_step is None
-
-
 def in_tool_calls(programs: Iterable[Program]) -> list[Program]:
-    """The programs of `programs` in a tool call (`in_tool_call`, inlined: it runs over
-    every GPU program of a replica)."""
+    """The programs of `programs` in a tool call (ACTING and not marked to leave after
+    their step): the ones a move may take off the GPU."""
     return [q for q in programs if q.status is Status.ACTING and q.demote_after_step is None]
 
 
@@ -262,7 +256,8 @@ class PricedPool:
     stale when their program leaves the GPU or starts its next step; `take` skips them.
     A pool per replica and kind of request (`pool_kind`): whether a move pays depends on
     whether the victim keeps its host copy, which depends on what the request brings;
-    aged requests (ticks only) may take any ACTING program.
+    aged requests (ticks only) and urgent steps in flight (`router.policy.overload`) may
+    take any ACTING program.
     """
 
     def __init__(self, engine: Ledger) -> None:
@@ -330,23 +325,29 @@ class PricedPool:
     def rank_dropped(self, now: float) -> None:
         """At the end of a tick: rank again the pools `refresh` dropped that a request took
         from since they were ranked, unless the tick ranked them itself (an event would
-        have, at its own time). One nobody takes from is not ranked again."""
+        have, at its own time). One nobody takes from is not ranked again, nor the aged
+        pools: urgent steps in flight take from them between ticks, and ranked here they
+        added 16 % to a held tick for what the next urgent step ranks once, at its time."""
         for key in sorted(self._dropped):
-            if key not in self._pools:
+            if key not in self._pools and key[1] != AGED:
                 self._rank_into(key, now)
         self._dropped.clear()
 
     def add(self, q: Program, now: float) -> None:
-        """`q` went ACTING on its GPU tier: it joins the replica's pools where it pays."""
+        """`q` went ACTING on its GPU tier: it joins the replica's pools where it pays (the
+        aged pool, any ACTING program's, whatever it would cost)."""
         replica: str = q.placement.replica  # type: ignore[assignment]
         forecast = self._engine.forecast
         room: int | None = None
-        for kind in (RELOAD, FRESH):
+        for kind in (AGED, RELOAD, FRESH):
             pool = self._pools.get((replica, kind))
             if pool is None:
                 continue
-            room = forecast.host_room(replica) if room is None else room  # type: ignore[union-attr]
-            idle = forecast.idle_if_move_pays(q, self._cost_s(q, kind, room), now)  # type: ignore[union-attr]
+            if kind == AGED:
+                idle: float | None = forecast.expected_idle_s(q, now)  # type: ignore[union-attr]
+            else:
+                room = forecast.host_room(replica) if room is None else room  # type: ignore[union-attr]
+                idle = forecast.idle_if_move_pays(q, self._cost_s(q, kind, room), now)  # type: ignore[union-attr]
             entry = self._new_entry(q, idle)
             if entry is not None:
                 insort(pool, entry)
@@ -360,25 +361,39 @@ class PricedPool:
         self._pool(replica, kind, now)
         return self._tokens[(replica, kind)]
 
-    def take(self, replica: str, kind: str, needed: int, now: float) -> list[Program]:
-        """Victims freeing `needed` tokens on `replica`, farthest return first, or [] (a
-        partial move would be churn for nothing)."""
+    def take(
+        self, replica: str, kind: str, needed: int, now: float, last: Container[str] = ()
+    ) -> list[Program]:
+        """Victims freeing `needed` tokens on `replica`, farthest return first (programs in
+        `last` after all others), or [] (a partial move would be churn for nothing)."""
         if needed <= 0:
             return []
         gpu, freed = Placement(Tier.GPU, replica), 0
         chosen: list[Program] = []
+        later: list[Program] = []
         pool = self._pool(replica, kind, now)
-        stale = 0
+        stale, head = 0, True
         tiers = self._engine.tiers
         for _, _, q, since, _ in pool:
             valid = q.placement == gpu and q.status is Status.ACTING
             if not valid or q.interval_start != since or q.demote_after_step is not None:
-                stale += 1 if not chosen else 0
+                stale += head
+                continue
+            head = False
+            if q.program_id in last:
+                later.append(q)
                 continue
             chosen.append(q)
             freed += tiers.freed_by(q)
             if freed >= needed:
-                self._tokens[(replica, kind)] -= sum(entry[4] for entry in pool[:stale])
-                del pool[:stale]  # the stale head is gone for good
-                return chosen
-        return []
+                break
+        for q in later if freed < needed else ():
+            chosen.append(q)
+            freed += tiers.freed_by(q)
+            if freed >= needed:
+                break
+        if freed < needed:
+            return []
+        self._tokens[(replica, kind)] -= sum(entry[4] for entry in pool[:stale])
+        del pool[:stale]  # the stale head is gone for good
+        return chosen

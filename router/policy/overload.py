@@ -17,7 +17,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from router.policy.displacement import FRESH, in_tool_call, in_tool_calls
+from router.policy.displacement import AGED, FRESH
 from router.policy.door import Door
 from router.policy.program import Program
 from router.policy.stages import Ledger, admitted
@@ -140,14 +140,13 @@ class WaitBound:
             return []
         moves: list[Move] = []
         healthy = set(tiers.replicas())
-        ranked: dict[str, list[Program]] = {}  # per replica, sorted once a pass
         for p in urgent:
             home = p.last_replica
             if home not in healthy or home in self.held_for:
                 continue
             gpu = Placement(Tier.GPU, home)
             missing = tiers.need(p, gpu) - tiers.free(gpu)
-            victims = self._urgent_victims(home, missing, now, ranked) if missing > 0 else []
+            victims = self._urgent_victims(home, missing, now) if missing > 0 else []
             if missing > 0 and not victims:
                 self.held_for[home] = p.program_id  # type: ignore[index]
                 continue
@@ -155,29 +154,16 @@ class WaitBound:
             moves += engine.swap_in(p, home, victims, {home: 0}, now)  # type: ignore[arg-type]
         return moves
 
-    def _urgent_victims(
-        self, replica: str, needed: int, now: float, ranked: dict[str, list[Program]]
-    ) -> list[Program]:
+    def _urgent_victims(self, replica: str, needed: int, now: float) -> list[Program]:
         """Programs in tool calls on GPU(replica) whose leaving frees `needed`, farthest
-        expected return first (predicted-promoted ones last), or [] if they cannot.
-
-        Sorted once per pass and replica (`ranked`; a tick serves ~20 urgent steps, and
-        pricing a replica's ~300 programs in tool calls was half its time): within a pass
-        nothing predicts, protects or ends a call, so a later urgent step of the replica
-        finds the same order among the programs its swaps left there."""
+        expected return first (predicted-promoted ones last), or [] if they cannot: the
+        priced pass's pool of any program in a tool call (`AGED`), kept as the others are
+        (ranked by the first urgent step after a tick refreshed its replica, a program
+        joining when its step ends), so an urgent step no longer prices its replica's ~300
+        programs in tool calls at its own time (half an event while steps were urgent)."""
         engine = self.engine
-        gpu = Placement(Tier.GPU, replica)
-        if replica not in ranked:
-            acting = in_tool_calls(engine.tiers.members(gpu))
-            idle = engine.forecast.expected_idle_many(acting, now)  # type: ignore[union-attr]
-            protected = engine.timed.protected_until  # type: ignore[union-attr]
-            farthest = sorted(range(len(acting)), key=idle.__getitem__, reverse=True)  # stable
-            by_idle = [acting[i] for i in farthest]  # then predicted-promoted ones last:
-            ranked[replica] = [q for q in by_idle if q.program_id not in protected] + [
-                q for q in by_idle if q.program_id in protected
-            ]  # a stable sort by (protected, -idle) without a tuple key per program
-        left = (q for q in ranked[replica] if q.placement == gpu and in_tool_call(q))
-        return engine.tiers.enough(left, needed)  # walks only as far as it takes
+        protected = engine.timed.protected_until  # type: ignore[union-attr]
+        return engine.priced.victims.take(replica, AGED, needed, now, last=protected)  # type: ignore[union-attr]
 
     # the door --------------------------------------------------------------------------
     def let_in(self, now: float) -> list[Move]:
