@@ -441,15 +441,12 @@ class MoriEngine(Policy):
         self._clear_marks(replica)
         moves: list[Move] = []
         if excess > 0:
-            idleness = self.ranking(now)
             members = list(self.tiers.members(gpu))
             acting = [p for p in members if p.status is Status.ACTING]
-            moves, excess = self.shed(
-                acting, excess, idleness, lambda p: self.demote(p, replica, now)
-            )
+            moves, excess = self.shed(acting, excess, now, lambda p: self.demote(p, replica, now))
             cpu = Placement(Tier.CPU, replica)
             reasoning = [p for p in members if p.status is Status.REASONING]
-            self.shed(reasoning, excess, idleness, lambda p: self._mark_lazy(p, cpu))
+            self.shed(reasoning, excess, now, lambda p: self._mark_lazy(p, cpu))
         return moves + self.gangs.demote_held(replica, now) if self.gangs else moves
 
     def _cpu_overflow(self, replica: str, now: float) -> list[Move]:
@@ -458,22 +455,30 @@ class MoriEngine(Policy):
         excess = self.tiers.used(cpu) - self.tiers.budget(cpu)
         if excess <= 0:
             return []
-        members, idleness = self.tiers.members(cpu), self.ranking(now)
         return self.shed(
-            members, excess, idleness, lambda p: self.move(p, WAITING, MoveReason.CPU_OVERFLOW, now)
+            self.tiers.members(cpu),
+            excess,
+            now,
+            lambda p: self.move(p, WAITING, MoveReason.CPU_OVERFLOW, now),
         )[0]
 
     def shed(
-        self, programs: Iterable[Program], excess: int, idleness: Idleness, act: Act
+        self, programs: Iterable[Program], excess: int, now: float, act: Act
     ) -> tuple[list[Move], int]:
-        """`act` on the most idle of `programs` first (demote, mark) until their leaving
-        covers `excess` tokens, each counted after the one before has acted (the last
-        holder of a shared segment frees it); returns the moves made and what is left of
-        `excess`."""
-        moves = []
-        for p in sorted(programs, key=idleness, reverse=True):
+        """`act` on the most idle of `programs` first (`ranking` at `now`: demote, mark)
+        until their leaving covers `excess` tokens, each counted after the one before has
+        acted (the last holder of a shared segment frees it); returns the moves made and
+        what is left of `excess`. Nothing to cover ranks nothing (a step's end sheds its
+        replica's programs in tool calls first, then ranked the reasoning ones for none)."""
+        moves: list[Move] = []
+        if excess <= 0:
+            return moves, excess
+        programs = list(programs)
+        idleness = self.ranking_many(programs, now)
+        for i in sorted(range(len(programs)), key=idleness.__getitem__, reverse=True):
             if excess <= 0:
                 break
+            p = programs[i]
             excess -= self.tiers.freed_by(p)
             move = act(p)
             if move is not None:

@@ -143,8 +143,7 @@ class Gangs:
         gpu = Placement(Tier.GPU, replica)
         excess = tiers.used(gpu) - engine.pending_lazy_tokens(replica) - tiers.budget(gpu)
         held = [q for q in tiers.members(gpu) if q.pending and q.program_id in self.gang]
-        idleness = engine.ranking(now)
-        return engine.shed(held, excess, idleness, lambda q: engine.demote(q, replica, now))[0]
+        return engine.shed(held, excess, now, lambda q: engine.demote(q, replica, now))[0]
 
     def deadlines(self, now: float) -> list[float]:
         """When a held round's wait for its missing members is up."""
